@@ -1,0 +1,173 @@
+"""Hugging Face folders: config.json + model.safetensors, or shards listed in model.safetensors.index.json."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError
+from . import LazyWeights, LoadedModel
+
+# HF per-layer names -> canonical (GGUF-style) names; Gemma's post_attention_layernorm differs, see _layer_map
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def _rope_params(cfg: dict) -> tuple[float, dict | None, float | None]:
+    """(theta, scaling, local theta) from either the classic `rope_theta`/`rope_scaling` keys or transformers 5's
+    `rope_parameters` (which Gemma 3 splits per attention type)."""
+    params = cfg.get("rope_parameters") or {}
+    local = None
+    if "full_attention" in params:  # per layer type
+        local = params.get("sliding_attention", {}).get("rope_theta")
+        params = params["full_attention"]
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in (None, "default"):
+            scaling = None
+        elif kind not in ("llama3", "linear"):
+            raise ModelError(f"rope scaling '{kind}' is not supported (linear and llama3 are)")
+        else:
+            scaling = dict(scaling, rope_type=kind)
+    local = local if local is not None else cfg.get("rope_local_base_freq")
+    return theta, scaling, (float(local) if local is not None else None)
+
+
+def args_from_config(cfg: dict) -> ModelArgs:
+    """ModelArgs from a Hugging Face config.json dict (unknown keys are ignored)."""
+    if "text_config" in cfg:  # multimodal wrapper (e.g. Gemma 3 4B+): the text model is what we run
+        cfg = dict(cfg["text_config"], tie_word_embeddings=cfg.get("tie_word_embeddings", True))
+    arch = cfg.get("model_type", "?")
+    if arch not in FAMILIES:
+        raise ModelError(f"unknown architecture '{arch}' in config.json: specdec supports {SUPPORTED}")
+    family = FAMILIES[arch]
+    n_heads = int(cfg["num_attention_heads"])
+    dim = int(cfg["hidden_size"])
+    n_layers = int(cfg["num_hidden_layers"])
+    theta, scaling, local_theta = _rope_params(cfg)
+    layer_types = cfg.get("layer_types")
+    window = cfg.get("sliding_window")
+    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+        window = None
+    if family == "gemma3" and not layer_types:
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+    sliding = [t == "sliding_attention" for t in layer_types] if layer_types and window else []
+    gemma = family == "gemma3"
+    return ModelArgs(
+        arch=arch, vocab_size=int(cfg["vocab_size"]), dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), head_dim=int(cfg.get("head_dim") or dim // n_heads),
+        ffn_dim=int(cfg["intermediate_size"]), norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if gemma else 1e-5)),
+        rope_theta=theta, rope_scaling=scaling, max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)), qk_norm=arch == "qwen3" or gemma,
+        sliding_window=int(window) if window else None, sliding_layers=sliding,
+        rope_local_theta=(local_theta or 10000.0) if gemma else None,
+        query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        embed_scale=dim**0.5 if gemma else 1.0, activation="gelu_tanh" if gemma else "silu", sandwich_norms=gemma,
+        final_logit_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+        n_mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0),
+    )
+
+
+def canonical_name(hf_name: str, gemma: bool) -> str | None:
+    """Canonical name of an HF tensor, or None for tensors we don't use (vision towers, rotary buffers)."""
+    hf_name = hf_name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
+    for prefix, name in _TOP.items():
+        if hf_name in (f"{prefix}.weight", f"{prefix}.bias"):
+            return name + (".bias" if hf_name.endswith(".bias") else "")
+    m = _LAYER_RE.match(hf_name)
+    if not m:
+        return None
+    layer, part, kind = m.groups()
+    if gemma and part == "post_attention_layernorm":
+        short = "post_attention_norm"
+    elif part in _LAYER:
+        short = _LAYER[part]
+    else:
+        return f"blk.{layer}.hf.{part}" + (".bias" if kind == "bias" else "")  # kept for MTP layouts
+    return f"blk.{layer}.{short}" + (".bias" if kind == "bias" else "")
+
+
+def read_hf(folder: Path) -> LoadedModel:
+    """Read config.json and index the safetensors shards; tensors load (as float32) on access."""
+    from safetensors import safe_open
+
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise ModelError(f"{folder} has no config.json: give a GGUF file or a Hugging Face model folder")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{cfg_path} is not valid JSON ({e}): download it again") from e
+    try:
+        args = args_from_config(cfg)
+    except KeyError as e:
+        raise ModelError(f"config.json lacks {e}: the model folder is incomplete") from e
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    elif (folder / "model.safetensors").exists():
+        weight_map = {}
+        with safe_open(folder / "model.safetensors", framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    else:
+        raise ModelError(f"{folder} has no model.safetensors (or index): convert the weights to safetensors")
+    missing = sorted({s for s in weight_map.values() if not (folder / s).exists()})
+    if missing:
+        raise ModelError(f"{folder} lacks shard(s) {', '.join(missing)}: download them")
+    gemma = args.family == "gemma3"
+    handles: dict[str, object] = {}
+
+    def loader(hf_name: str, shard: str, name: str):
+        def load() -> torch.Tensor:
+            if shard not in handles:
+                handles[shard] = safe_open(folder / shard, framework="pt")
+            t = handles[shard].get_tensor(hf_name).float()
+            if gemma and name.endswith("norm"):  # Gemma's RMSNorm multiplies by (1 + w)
+                t = t + 1.0
+            return t
+
+        return load
+
+    loaders, nbytes, dtypes = {}, {}, set()
+    for hf_name, shard in weight_map.items():
+        name = canonical_name(hf_name, gemma)
+        if name is not None:
+            loaders[name] = loader(hf_name, shard, name)
+    for shard in set(weight_map.values()):
+        with safe_open(folder / shard, framework="pt") as f:
+            for k in f.keys():  # noqa: SIM118
+                sl = f.get_slice(k)
+                name = canonical_name(k, gemma)
+                dtypes.add(sl.get_dtype())
+                if name is not None:
+                    shape = sl.get_shape()
+                    numel = 1
+                    for s in shape:
+                        numel *= s
+                    nbytes[name] = numel * {"F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
+    if "output" not in loaders:
+        args.tie_embeddings = True
+    return LoadedModel(args, LazyWeights(loaders, nbytes), folder, "safetensors " + "/".join(sorted(dtypes)),
+                       extra={"config": cfg})
