@@ -18,9 +18,11 @@ class ContextFull(Exception):
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        shape = (n_layers, 1, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [n_layers, B, Hkv, S, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [n_layers, B, Hkv, S, D]
+        # keys and values side by side, so one copy writes both: kv[l, :, s, :Hkv] = K, kv[l, :, s, Hkv:] = V
+        self.kv = torch.zeros(n_layers, 1, max_len, 2 * n_kv_heads, head_dim, dtype=dtype, device=device)
+        # per-layer views as attention reads them: [B, Hkv, S, D] (made once; slicing them per step is one op)
+        self.k_all = [self.kv[i, :, :, :n_kv_heads].transpose(1, 2) for i in range(n_layers)]
+        self.v_all = [self.kv[i, :, :, n_kv_heads:].transpose(1, 2) for i in range(n_layers)]
         self.pos = torch.zeros(max_len, dtype=torch.long, device=device)  # [S] RoPE position of each slot
         self.max_len = max_len
         self.length = 0
@@ -40,12 +42,11 @@ class KVCache:
         """Keep only `slots` (absolute, ascending, each >= start) after `start`, moved to [start, start+len(slots))."""
         n = len(slots)
         if slots != list(range(start, start + n)):
-            idx = torch.tensor(slots, device=self.k.device)
-            self.k[:, :, :, start:start + n] = self.k[:, :, :, idx]
-            self.v[:, :, :, start:start + n] = self.v[:, :, :, idx]
+            idx = torch.tensor(slots, device=self.kv.device)
+            self.kv[:, :, start:start + n] = self.kv[:, :, idx]
             self.pos[start:start + n] = self.pos[idx]
         self.length = start + n
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return self.kv.numel() * self.kv.element_size()

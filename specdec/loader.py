@@ -76,20 +76,21 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 def resolve_precision(dtype: str, quant: str, loaded: LoadedModel, device: torch.device) -> tuple[torch.dtype, str]:
     """Pick activation dtype and weight quantization.
 
-    auto on CPU: a quantized GGUF keeps a quantized footprint (weight-only int4, the fastest kernel here, measured in
-    the README) with f32 activations around it; an f16/bf16/f32 file runs in f32 with plain weights.
-    auto on a GPU: bf16, no weight-only quantization (bandwidth there is plentiful for models of this size).
+    quant auto on CPU: a quantized GGUF keeps each tensor's precision class (int4 for <= 5-bit tensors, int8 for
+    the rest; see quant.make_linear); a float file keeps float weights. On a GPU: no weight-only quantization.
+    dtype auto: bf16 activations with quantized weights on CPU (the int4/int8 kernels want bf16 activations) and
+    on GPUs; f32 otherwise.
     """
     if quant == "auto":
         quantized_file = loaded.file_type.startswith("GGUF") and not any(
             loaded.file_type.startswith(f"GGUF {t}") for t in ("F32", "F16", "BF16"))
-        quant = "int4" if device.type == "cpu" and quantized_file else "none"
-    if quant not in ("none", "int8", "int4"):
+        quant = "auto" if device.type == "cpu" and quantized_file else "none"
+    elif quant not in ("none", "int8", "int4"):
         raise ModelError(f"unknown --quant '{quant}': use auto, none, int8 or int4")
     if quant != "none" and device.type != "cpu":
         raise ModelError(f"--quant {quant} uses PyTorch's CPU kernels: use --quant none on {device.type}")
     if dtype == "auto":
-        dtype = "bf16" if device.type != "cpu" else "f32"
+        dtype = "bf16" if device.type != "cpu" or quant != "none" else "f32"
     if dtype not in DTYPES:
         raise ModelError(f"unknown --dtype '{dtype}': use auto, f32, bf16 or f16")
     return DTYPES[dtype], quant
@@ -115,5 +116,4 @@ def load(model: str | Path | None = None, *, dtype: str = "auto", quant: str = "
     torch_dtype, q = resolve_precision(dtype, quant, lm, dev)
     tok = load_tokenizer(path)
     net = Transformer(lm.args, lm.weights, torch_dtype, q, max_len=ctx, device=dev, progress=progress)
-    net.eval()
     return Loaded(net, tok, path, lm.file_type, time.perf_counter() - t0, sum(lm.weights.source_bytes.values()))

@@ -12,65 +12,73 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 INT4_GROUP = 32
 
 
 def has_int4_kernel() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
-        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+    return _int4_mm is not None and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 
 
-class Linear(nn.Module):
-    """y = x W^T (+ b) with W stored in the activation dtype."""
+_int8_mm = torch.ops.aten._weight_int8pack_mm.default
+_int4_mm = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+_int4_mm = _int4_mm.default if _int4_mm is not None else None
+
+
+class Linear:
+    """y = x W^T (+ b) with W stored in the activation dtype.
+
+    Linear layers are plain objects, not nn.Modules: a decode step of a small model calls ~120 of them, and
+    nn.Module's call and attribute machinery would cost more than some of the matmuls."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(w.to(dtype), requires_grad=False)  # [N, K]
-        self.bias = nn.Parameter(b.to(dtype), requires_grad=False) if b is not None else None  # [N]
-        self.bits = torch.finfo(dtype).bits
+        self.weight = w.to(dtype).contiguous()  # [N, K]
+        self.bias = b.to(dtype) if b is not None else None  # [N]
+        self.out_features = w.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         return F.linear(x, self.weight, self.bias)
 
-    @property
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.bias) if t is not None]
 
 
-class Int8Linear(nn.Module):
+def _bf16_call(x: torch.Tensor, mm, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Run a weight-only kernel `mm` on x [..., K] as 2-D bf16, casting only when x is not bf16 already."""
+    shape, dtype = x.shape, x.dtype
+    x2 = x.reshape(-1, shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = mm(x2 if dtype == torch.bfloat16 else x2.to(torch.bfloat16))
+    if bias is not None:
+        y = y + bias
+    y = y.view(*shape[:-1], n)
+    return y if dtype == torch.bfloat16 else y.to(dtype)
+
+
+class Int8Linear(Linear):
     """Weight-only int8, one bf16 scale per output row, bf16 activations into `_weight_int8pack_mm`."""
 
-    bits = 8
-
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
-        super().__init__()
         w = w.float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))  # [N, K]
-        self.register_buffer("scale", scale.to(torch.bfloat16))  # [N]
-        self.bias = nn.Parameter(b.float(), requires_grad=False) if b is not None else None
+        self.weight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+        self.scale = scale.to(torch.bfloat16)  # [N]
+        self.bias = b.to(torch.bfloat16) if b is not None else None  # [N]
+        self.out_features = w.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, self.scale)
-        y = y.to(x.dtype).reshape(*shape[:-1], -1)
-        return y + self.bias.to(x.dtype) if self.bias is not None else y
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        return _bf16_call(x, lambda x2: _int8_mm(x2, self.weight, self.scale), self.bias, self.out_features)
 
-    @property
-    def nbytes(self) -> int:
-        return self.qweight.numel() + self.scale.numel() * 2
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.scale, self.bias) if t is not None]
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(Linear):
     """Weight-only int4, asymmetric per group of 32 (as GGUF Q4_1), bf16 activations into
     `_weight_int4pack_mm_for_cpu`."""
 
-    bits = 4
-
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, group: int = INT4_GROUP):
-        super().__init__()
         n, k = w.shape
         g = w.float().reshape(n, k // group, group)
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
@@ -79,25 +87,27 @@ class Int4Linear(nn.Module):
         zero = lo + 8.0 * scale  # the kernel computes (q - 8) * scale + zero
         sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
         self.group = group
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        self.register_buffer("scales_zeros", sz.to(torch.bfloat16))
-        self.bias = nn.Parameter(b.float(), requires_grad=False) if b is not None else None
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # packed [N, K/2] uint8
+        self.scales_zeros = sz.to(torch.bfloat16)  # [K/g, N, 2]
+        self.bias = b.to(torch.bfloat16) if b is not None else None  # [N]
         self.out_features = n
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_zeros)
-        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-        return y + self.bias.to(x.dtype) if self.bias is not None else y
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        return _bf16_call(x, lambda x2: _int4_mm(x2, self.weight, self.group, self.scales_zeros), self.bias,
+                          self.out_features)
 
-    @property
-    def nbytes(self) -> int:
-        return self.qweight.numel() * self.qweight.element_size() + self.scales_zeros.numel() * 2
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.scales_zeros, self.bias) if t is not None]
 
 
-def make_linear(w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype, quant: str) -> nn.Module:
-    """The linear layer for weight `w` [N, K] under a quantization choice ("none", "int8", "int4")."""
+def make_linear(w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype, quant: str,
+                source_bits: float = 32.0) -> Linear:
+    """The linear layer for weight `w` [N, K] under a quantization choice.
+
+    "none" / "int8" / "int4" apply to every layer; "auto" keeps each tensor's precision class from the file:
+    int4 for tensors stored with at most ~5.5 bits per weight (Q4_*, Q5_*, Q2_K..Q5_K), int8 for the rest."""
+    if quant == "auto":
+        quant = "int4" if source_bits <= 5.6 else "int8"
     if quant == "int4" and w.device.type == "cpu" and has_int4_kernel() and w.shape[1] % INT4_GROUP == 0:
         return Int4Linear(w, b)
     if quant in ("int8", "int4") and w.device.type == "cpu":

@@ -23,7 +23,8 @@ GEMMA_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
     "{% set loop_messages = messages[1:] %}{% else %}{% set first = '' %}{% set loop_messages = messages %}{% endif %}"
     "{% for message in loop_messages %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<start_of_turn>' + role + '\n' + (first if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{{ '<start_of_turn>' + role + '\n' + (first if loop.first else '') + message['content'] | trim"
+    " + '<end_of_turn>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 # ChatML, for vocabularies that have its markers but ship no template.

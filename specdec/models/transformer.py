@@ -15,7 +15,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..cache import KVCache
 from ..config import ModelArgs, ModelError
@@ -56,21 +55,37 @@ class Rope:
         self.cos = emb.cos().to(dtype=dtype, device=device)  # [S, D]
         self.sin = (emb.sin() * sign).to(dtype=dtype, device=device)  # [S, D]
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` [T], shaped [1, T, 1, D] to broadcast over heads."""
-        return self.cos[positions][None, :, None], self.sin[positions][None, :, None]
+    def tables(self, positions: torch.Tensor, n_rot: int, n_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, T, n_rot + n_keep, D] for `positions` [T]: the first n_rot heads (q and k) rotate, the last
+        n_keep heads (v) get cos = 1, sin = 0, so one fused op handles the whole q|k|v projection."""
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, D]
+        T, D = cos.shape[0], cos.shape[-1]
+        cos = torch.cat([cos.expand(T, n_rot, D), cos.new_ones(T, n_keep, D)], dim=1)
+        sin = torch.cat([sin.expand(T, n_rot, D), sin.new_zeros(T, n_keep, D)], dim=1)
+        return cos[None], sin[None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, for x [B, T, H, D]."""
+    """RoPE: x * cos + rotate_half(x) * sin, for x [B, T, H, D] (rotate_half = roll by D/2, sign folded into sin)."""
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin)
 
 
-class Block(nn.Module):
-    """One transformer layer: pre-norm attention (GQA, RoPE, optional q/k norm) and gated FFN, residuals around."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019), x / sqrt(mean(x^2) + eps) * w, computed as one fused LayerNorm.
 
-    def __init__(self, args: ModelArgs, w: dict, dtype: torch.dtype, quant: str, sliding: bool):
-        super().__init__()
+    The vector [x, -x] has mean exactly zero and variance mean(x^2), so LayerNorm over it, cut to its first half,
+    is RMSNorm. On CPU this is 4 small ops instead of the ~8 that F.rms_norm decomposes into, and a decode step of a
+    small model is made of such small ops. `weight` is [2, D] (w stacked twice) or None."""
+    return F.layer_norm(torch.stack([x, x.neg()], dim=-2), (2, x.shape[-1]), weight, None, eps)[..., 0, :]
+
+
+class Block:
+    """One transformer layer: pre-norm attention (GQA, RoPE, optional q/k norm) and gated FFN, residuals around.
+
+    A plain object holding tensors (not an nn.Module): at decode time each layer is ~20 tiny ops, and Module's
+    __call__ / __getattr__ machinery would cost as much as they do."""
+
+    def __init__(self, args: ModelArgs, w: dict, bits, dtype: torch.dtype, quant: str, sliding: bool):
         a = args
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.eps, self.scale, self.sliding = a.norm_eps, a.query_scale, sliding
@@ -79,83 +94,93 @@ class Block(nn.Module):
         bias = None
         if a.qkv_bias:
             bias = torch.cat([w["attn_q.bias"], w["attn_k.bias"], w["attn_v.bias"]])
-        self.wqkv = make_linear(torch.cat([w["attn_q"], w["attn_k"], w["attn_v"]]), bias, dtype, quant)
-        self.wo = make_linear(w["attn_output"], None, dtype, quant)
-        self.w13 = make_linear(torch.cat([w["ffn_gate"], w["ffn_up"]]), None, dtype, quant)
-        self.w2 = make_linear(w["ffn_down"], None, dtype, quant)
+        self.wqkv = make_linear(torch.cat([w["attn_q"], w["attn_k"], w["attn_v"]]), bias, dtype, quant,
+                                bits("attn_q", "attn_k", "attn_v"))
+        self.wo = make_linear(w["attn_output"], None, dtype, quant, bits("attn_output"))
+        self.w13 = make_linear(torch.cat([w["ffn_gate"], w["ffn_up"]]), None, dtype, quant, bits("ffn_gate", "ffn_up"))
+        self.w2 = make_linear(w["ffn_down"], None, dtype, quant, bits("ffn_down"))
         self.ffn_dim = w["ffn_gate"].shape[0]
-        norms = ["attn_norm", "ffn_norm"] + (["post_attention_norm", "post_ffw_norm"] if a.sandwich_norms else [])
-        norms += ["attn_q_norm", "attn_k_norm"] if a.qk_norm else []
-        for name in norms:
-            self.register_buffer(name, w[name].to(dtype))  # [dim] or [head_dim]
+        def twice(name: str) -> torch.Tensor | None:  # norm weights as rms_norm() takes them: [2, dim]
+            return torch.stack([w[name], w[name]]).to(dtype) if name in w else None
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, weight.shape, weight, self.eps)
+        self.attn_norm, self.ffn_norm = twice("attn_norm"), twice("ffn_norm")
+        self.post_attention_norm = twice("post_attention_norm") if a.sandwich_norms else None
+        self.post_ffw_norm = twice("post_ffw_norm") if a.sandwich_norms else None
+        # q/k RMSNorm weights, one row per q head then per k head: [H + Hkv, D]
+        self.qk_norm = torch.cat([w["attn_q_norm"].expand(a.n_heads, -1), w["attn_k_norm"].expand(a.n_kv_heads, -1)]
+                                 ).to(dtype) if a.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-                v_cache: torch.Tensor, start: int, mask: torch.Tensor | None, window: int | None) -> torch.Tensor:
-        """x [B, T, dim]; k_cache / v_cache [B, Hkv, S, D] (slots [start, start+T) are written here);
-        mask [T, L] bool (True = attend) or None (attend every slot < L); window: for T=1 decode of a sliding
-        layer, attend only the last `window` slots."""
+    def tensors(self) -> list[torch.Tensor]:
+        norms = [self.attn_norm, self.ffn_norm, self.post_attention_norm, self.post_ffw_norm, self.qk_norm]
+        linears = [t for lin in (self.wqkv, self.wo, self.w13, self.w2) for t in lin.tensors()]
+        return linears + [t for t in norms if t is not None]
+
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
+                 k_all: torch.Tensor, v_all: torch.Tensor, start: int, mask: torch.Tensor | None,
+                 window: int | None) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim].
+
+        rope: cos, sin [1, T, H + 2 Hkv, D]; kv [B, S, 2 Hkv, D] this layer's cache, written at slots
+        [start, start+T); k_all / v_all [B, Hkv, S, D] views of it; mask [T, L] bool (True = attend) or None
+        (attend every slot < L); window: for T = 1 decode of a sliding layer, attend only the last `window` slots."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         L = start + T
-        qkv = self.wqkv(self.norm(x, self.attn_norm)).view(B, T, H + 2 * Hkv, D)
-        q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
-        if hasattr(self, "attn_q_norm"):
-            q, k = self.norm(q, self.attn_q_norm), self.norm(k, self.attn_k_norm)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache[:, :, start:L] = k.transpose(1, 2)
-        v_cache[:, :, start:L] = v.transpose(1, 2)
+        qkv = self.wqkv(rms_norm(x, self.attn_norm, self.eps)).view(B, T, H + 2 * Hkv, D)
+        if self.qk_norm is not None:
+            qk = rms_norm(qkv[:, :, :H + Hkv], None, self.eps) * self.qk_norm
+            qkv = torch.cat([qk, qkv[:, :, H + Hkv:]], dim=2)
+        qkv = apply_rope(qkv, *rope)
+        kv[:, start:L] = qkv[:, :, H:]
         first = max(0, L - window) if window else 0
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, first:L], v_cache[:, :, first:L],
+        o = F.scaled_dot_product_attention(qkv[:, :, :H].transpose(1, 2), k_all[:, :, first:L], v_all[:, :, first:L],
                                            attn_mask=mask, scale=self.scale, enable_gqa=H != Hkv)  # [B, H, T, D]
         o = self.wo(o.transpose(1, 2).reshape(B, T, H * D))
-        x = x + (self.norm(o, self.post_attention_norm) if self.sandwich else o)
-        gate, up = self.w13(self.norm(x, self.ffn_norm)).split(self.ffn_dim, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        f = self.w2(act * up)
-        return x + (self.norm(f, self.post_ffw_norm) if self.sandwich else f)
+        x = x + (rms_norm(o, self.post_attention_norm, self.eps) if self.sandwich else o)
+        gate, up = self.w13(rms_norm(x, self.ffn_norm, self.eps)).split(self.ffn_dim, dim=-1)
+        f = self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
+        return x + (rms_norm(f, self.post_ffw_norm, self.eps) if self.sandwich else f)
 
 
-class Transformer(nn.Module):
-    """Token embedding -> blocks -> final norm -> output head (tied to the embedding or not)."""
+class Transformer:
+    """Token embedding -> blocks -> final norm -> output head (tied to the embedding or not).
+
+    Built layer by layer from lazily loaded weights, directly on the target device, so peak memory is about one
+    dequantized layer above the final footprint."""
 
     def __init__(self, args: ModelArgs, weights, dtype: torch.dtype = torch.float32, quant: str = "none",
                  max_len: int | None = None, device: str | torch.device = "cpu", progress=None):
-        super().__init__()
         self.args, self.dtype, self.quant = args, dtype, quant
-        self.device = torch.device(device)
+        self.device = dev = torch.device(device)
         self.max_len = min(max_len or args.max_seq_len, args.max_seq_len)
-        embed = weights["token_embd"]  # [V, dim]
+        embed = weights["token_embd"].to(dev)  # [V, dim]
         if embed.shape[0] != args.vocab_size:
             raise ModelError(f"token_embd has {embed.shape[0]} rows, config says vocab {args.vocab_size}")
         # quantized models keep the embedding table in bf16: a lookup reads T rows, so it costs memory, not speed
-        self.register_buffer("embed", embed.to(torch.bfloat16 if quant != "none" else dtype))  # [V, dim]
-        self.output = make_linear(embed if args.tie_embeddings else weights["output"], None, dtype, quant)
+        self.embed = embed.to(torch.bfloat16 if quant != "none" else dtype)  # [V, dim]
+        head = "token_embd" if args.tie_embeddings else "output"
+        self.output = make_linear(embed if args.tie_embeddings else weights["output"].to(dev), None, dtype, quant,
+                                  weights.bits(head))
         del embed
-        self.register_buffer("output_norm", weights["output_norm"].to(dtype))  # [dim]
-        layers = []
+        self.output_norm = torch.stack([weights["output_norm"]] * 2).to(dev, dtype)  # [2, dim], see rms_norm
+        self.layers: list[Block] = []
         for i in range(args.n_layers):
             prefix = f"blk.{i}."
-            w = {n[len(prefix):]: weights[n] for n in weights if n.startswith(prefix) and ".hf." not in n}
+            w = {n[len(prefix):]: weights[n].to(dev) for n in weights if n.startswith(prefix) and ".hf." not in n}
             if not w:
                 raise ModelError(f"the model file lacks layer {i}: it is incomplete")
             try:
-                layers.append(Block(args, w, dtype, quant, args.sliding_layers[i]))
+                bits = lambda *names, p=prefix: weights.bits(*(p + n for n in names))  # noqa: E731
+                self.layers.append(Block(args, w, bits, dtype, quant, args.sliding_layers[i]))
             except KeyError as e:
                 raise ModelError(f"layer {i} lacks tensor {e}: the file is incomplete or not {args.arch}") from e
             if progress:
                 progress(i + 1, args.n_layers)
-        self.layers = nn.ModuleList(layers)
         inv = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
-        self.rope = Rope(inv, self.max_len, dtype, "cpu")
-        self.rope_local = self.rope
+        self.rope = self.rope_local = Rope(inv, self.max_len, dtype, dev)
         if args.rope_local_theta is not None:
-            self.rope_local = Rope(rope_inv_freq(args.head_dim, args.rope_local_theta, None), self.max_len, dtype, "cpu")
-        self.to(self.device)
-        for r in {id(self.rope): self.rope, id(self.rope_local): self.rope_local}.values():
-            r.cos, r.sin = r.cos.to(self.device), r.sin.to(self.device)
+            self.rope_local = Rope(rope_inv_freq(args.head_dim, args.rope_local_theta, None), self.max_len, dtype, dev)
+        self.embed_scale = torch.tensor(args.embed_scale, dtype=dtype, device=dev)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         a = self.args
@@ -163,9 +188,10 @@ class Transformer(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights one forward reads (every linear layer, the norms; the embedding rows are negligible)."""
-        return sum(m.nbytes for m in self.modules() if hasattr(m, "nbytes") and m is not self) + sum(
-            b.numel() * b.element_size() for n, b in self.named_buffers() if n.endswith("norm"))
+        """Bytes of weights one forward reads: every layer's matrices and norms and the output head (a lookup reads
+        only T rows of the embedding table, which is not counted)."""
+        tensors = [t for layer in self.layers for t in layer.tensors()] + self.output.tensors() + [self.output_norm]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _masks(self, positions: torch.Tensor, cache: KVCache, start: int, T: int, tree_mask: torch.Tensor | None):
         """Attention masks [T, L] (True = attend) for full and sliding layers, shared by every layer."""
@@ -180,7 +206,7 @@ class Transformer(nn.Module):
         sliding = full & ((positions[:, None] - cache.pos[None, :L]) < window)
         return full, sliding
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [1, T], positions [T] -> (logits [1, T or 1, V] float32, hidden [1, T, dim] after the final norm).
 
@@ -192,18 +218,21 @@ class Transformer(nn.Module):
         cache.pos[start:L] = positions
         x = F.embedding(tokens, self.embed).to(self.dtype)
         if self.args.embed_scale != 1.0:
-            x = x * torch.tensor(self.args.embed_scale, dtype=self.dtype)
+            x = x * self.embed_scale
         full, sliding = self._masks(positions, cache, start, T, tree_mask)
-        rope = self.rope.tables(positions)
-        rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(positions)
-        window = self.args.sliding_window if T == 1 else None
+        a = self.args
+        rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
+        rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(
+            positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
+        window = a.sliding_window if T == 1 else None
         for i, layer in enumerate(self.layers):
+            kv, k_all, v_all = cache.kv[i], cache.k_all[i], cache.v_all[i]
             if layer.sliding:
-                x = layer(x, rope_local, cache.k[i], cache.v[i], start, sliding, window)
+                x = layer(x, rope_local, kv, k_all, v_all, start, sliding, window)
             else:
-                x = layer(x, rope, cache.k[i], cache.v[i], start, full, None)
+                x = layer(x, rope, kv, k_all, v_all, start, full, None)
         cache.length = L
-        h = F.rms_norm(x, self.output_norm.shape, self.output_norm, self.args.norm_eps)
+        h = rms_norm(x, self.output_norm, a.norm_eps)
         logits = self.output(h[:, -1:] if last_only else h).float()
         if self.args.final_logit_softcap:
             cap = self.args.final_logit_softcap

@@ -20,9 +20,19 @@ from ..config import ModelArgs, ModelError
 class LazyWeights(Mapping[str, torch.Tensor]):
     """Tensors produced on access (dequantized / converted one at a time, so peak memory stays low)."""
 
-    def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]], source_bytes: dict[str, int]):
+    def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]], source_bytes: dict[str, int],
+                 numel: dict[str, int]):
         self._loaders = loaders
         self.source_bytes = source_bytes  # bytes each tensor occupies in the file (for bandwidth accounting)
+        self._numel = numel
+
+    def bits(self, *names: str) -> float:
+        """Most bits per weight among `names` in the file (32 when unknown)."""
+        out = 0.0
+        for name in names:
+            numel = self._numel.get(name)
+            out = max(out, 8.0 * self.source_bytes[name] / numel if numel else 32.0)
+        return out
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._loaders[name]()

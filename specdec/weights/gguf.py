@@ -26,7 +26,7 @@ def _open(path: Path):
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise ModelError(f"{path} is not a GGUF file (no GGUF magic): give a .gguf from llama.cpp or a Hugging Face folder")
+        raise ModelError(f"{path} is not a GGUF file (no GGUF magic): give a llama.cpp .gguf or a Hugging Face folder")
     try:
         reader = gguf.GGUFReader(path)
         # the reader maps tensor data lazily; touching the last tensor's bytes checks the file is complete
@@ -68,7 +68,8 @@ def read_gguf(path: Path) -> LoadedModel:
             qtype = GGMLQuantizationType(t.tensor_type)
             arr = np.asarray(t.data) if qtype == GGMLQuantizationType.F32 else dequantize(t.data, qtype)
             shape = tuple(int(s) for s in reversed(t.shape))
-            w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+            arr = np.ascontiguousarray(arr, dtype=np.float32)
+            w = torch.from_numpy(arr if arr.flags.writeable else arr.copy()).reshape(shape)
             if arch == "llama" and name.endswith(("attn_q", "attn_q.bias")):
                 w = unpermute_rotary(w, args.n_heads)
             elif arch == "llama" and name.endswith(("attn_k", "attn_k.bias")):
@@ -77,16 +78,18 @@ def read_gguf(path: Path) -> LoadedModel:
 
         return load
 
-    loaders, nbytes = {}, {}
+    loaders, nbytes, numel = {}, {}, {}
     for name, t in tensors.items():
         if name == "rope_freqs":
             continue  # folded into args.rope_scaling
         loaders[name] = loader(t, name)
         nbytes[name] = int(t.n_bytes)
+        numel[name] = int(t.n_elements)
     types = collections.Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) == 2)
     main_type = types.most_common(1)[0][0] if types else "F32"
     mixed = "" if len(types) <= 1 else " (mixed: " + ", ".join(f"{k} x{v}" for k, v in types.most_common()) + ")"
-    return LoadedModel(args, LazyWeights(loaders, nbytes), path, f"GGUF {main_type}{mixed}", extra={"meta": meta})
+    return LoadedModel(args, LazyWeights(loaders, nbytes, numel), path, f"GGUF {main_type}{mixed}",
+                       extra={"meta": meta})
 
 
 def _args_from_meta(arch: str, meta: dict, tensors: dict) -> ModelArgs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -150,7 +151,7 @@ def read_hf(folder: Path) -> LoadedModel:
 
         return load
 
-    loaders, nbytes, dtypes = {}, {}, set()
+    loaders, nbytes, numel, dtypes = {}, {}, {}, set()
     for hf_name, shard in weight_map.items():
         name = canonical_name(hf_name, gemma)
         if name is not None:
@@ -162,12 +163,9 @@ def read_hf(folder: Path) -> LoadedModel:
                 name = canonical_name(k, gemma)
                 dtypes.add(sl.get_dtype())
                 if name is not None:
-                    shape = sl.get_shape()
-                    numel = 1
-                    for s in shape:
-                        numel *= s
-                    nbytes[name] = numel * {"F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
+                    numel[name] = math.prod(sl.get_shape())
+                    nbytes[name] = numel[name] * {"F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
     if "output" not in loaders:
         args.tie_embeddings = True
-    return LoadedModel(args, LazyWeights(loaders, nbytes), folder, "safetensors " + "/".join(sorted(dtypes)),
+    return LoadedModel(args, LazyWeights(loaders, nbytes, numel), folder, "safetensors " + "/".join(sorted(dtypes)),
                        extra={"config": cfg})

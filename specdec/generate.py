@@ -1,0 +1,181 @@
+"""Generation: prefill, then [propose -> one target forward -> verify -> roll back -> accept] until done.
+
+Plain autoregressive decoding is the same loop with an empty draft: one target forward over the pending token,
+then a sample from its distribution. So the speculative path and the baseline share every line but the proposer.
+
+Invariant of the loop: every emitted token except the last one (the "pending" token) is in the target's KV cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import KVCache
+from .config import ModelError
+from .models.transformer import Transformer
+from .sampling import SamplingParams, make_generator, next_token
+from .spec.base import Draft, Proposer
+from .spec.stats import Stats
+from .spec.verify import verify_chain
+from .tokenizer import StreamDecoder, Tokenizer
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string), "length" (-n reached), "context" (context window full)
+    stats: Stats = field(default_factory=Stats)
+
+
+class FixedDraftLength:
+    """Draft k = draft_max tokens each step (llama.cpp's --draft-max); shorter drafts than draft_min are dropped."""
+
+    def __init__(self, draft_max: int, draft_min: int = 0):
+        self.draft_max, self.draft_min = draft_max, draft_min
+
+    def choose(self, stats: Stats) -> int:
+        return self.draft_max
+
+    def update(self, k: int, n_accepted: int, seconds: float) -> None:
+        pass
+
+
+def prefill(model: Transformer, tokens: Sequence[int], cache: KVCache, chunk: int = PREFILL_CHUNK,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the prompt through the model in chunks -> (logits of the last position [V], hidden [n, dim])."""
+    hiddens = []
+    logits = None
+    for s in range(0, len(tokens), chunk):
+        part = tokens[s:s + chunk]
+        ids = torch.tensor([part], device=model.device)
+        pos = torch.arange(cache.length, cache.length + len(part), device=model.device)
+        logits, h = model(ids, pos, cache, last_only=True)
+        hiddens.append(h[0])
+    return logits[0, -1], torch.cat(hiddens)
+
+
+def check_prompt(n_prompt: int, ctx: int) -> None:
+    if n_prompt == 0:
+        raise ModelError("the prompt is empty: give some text with -p")
+    if n_prompt >= ctx:
+        raise ModelError(f"the prompt has {n_prompt} tokens but the context is {ctx}: raise -c or shorten the prompt")
+
+
+class TextStream:
+    """Streams text, holding back what could still become a stop string, and finds stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], on_text: Callable[[str], None] | None):
+        self.decoder = StreamDecoder(tokenizer)
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.on_text = on_text
+        self.text = ""
+        self.sent = 0
+
+    def push(self, tokens: list[int]) -> bool:
+        """Add tokens; True when a stop string appeared (the text is cut before it)."""
+        self.text += self.decoder.push(tokens)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.sent - len(s)))
+            if at >= 0:
+                self.text = self.text[:at]
+                self._emit(len(self.text))
+                return True
+        self._emit(len(self.text) - self.hold)
+        return False
+
+    def finish(self) -> None:
+        self.text += self.decoder.flush()
+        self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> None:
+        if upto > self.sent:
+            if self.on_text:
+                self.on_text(self.text[self.sent:upto])
+            self.sent = upto
+
+
+def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], params: SamplingParams,
+             max_tokens: int = 256, stop: Sequence[str] = (), proposer: Proposer | None = None,
+             draft_length: FixedDraftLength | None = None, on_text: Callable[[str], None] | None = None,
+             ignore_eos: bool = False, cache: KVCache | None = None) -> Result:
+    """Generate up to max_tokens after `prompt`, streaming text to on_text; speculative when a proposer is given."""
+    params.validate()
+    cache = cache or model.new_cache()
+    cache.rollback(0)
+    check_prompt(len(prompt), cache.max_len)
+    gen = make_generator(params.seed, model.device) if not params.greedy else None
+    stats = Stats(prompt_tokens=len(prompt))
+    stream = TextStream(tokenizer, stop, on_text)
+    eog = set() if ignore_eos else tokenizer.eog_ids
+    draft_length = draft_length or FixedDraftLength(0)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        logits, _ = prefill(model, prompt, cache)
+        token = next_token(logits, params, gen)
+        stats.prefill_s = time.perf_counter() - t0
+        out = [token]
+        finish = _finish(token, out, eog, max_tokens)
+        if stream.push([t for t in out if t not in eog]):
+            finish = "stop"
+        if proposer is not None and finish is None:
+            t = time.perf_counter()
+            proposer.begin(list(prompt) + out)
+            stats.draft_s += time.perf_counter() - t
+        t_decode = time.perf_counter()
+        while finish is None:
+            n = cache.length  # == len(prompt) + len(out) - 1: the pending token `token` is not cached yet
+            if n + 1 > cache.max_len:
+                finish = "context"
+                break
+            # never draft past the context window or past max_tokens
+            k = min(draft_length.choose(stats), cache.max_len - n - 1, max_tokens - len(out) - 1)
+            draft = Draft()
+            if proposer is not None and k > 0:
+                t = time.perf_counter()
+                draft = proposer.propose(k)
+                stats.draft_s += time.perf_counter() - t
+                if len(draft) < max(draft_length.draft_min, 1):
+                    draft = Draft()
+            t = time.perf_counter()
+            ids = torch.tensor([[token] + draft.tokens], device=model.device)
+            logits, hidden = model(ids, torch.arange(n, n + 1 + len(draft), device=model.device), cache)
+            n_acc, token = verify_chain(logits[0], draft, params, gen)
+            cache.rollback(n + 1 + n_acc)
+            elapsed = time.perf_counter() - t
+            stats.verify_s += elapsed
+            draft_length.update(len(draft), n_acc, elapsed)
+            new = draft.tokens[:n_acc] + [token]
+            emitted = 0
+            for tok in new:  # EOS / -n inside the accepted tokens end generation right there
+                out.append(tok)
+                emitted += 1
+                finish = _finish(tok, out, eog, max_tokens)
+                if finish:
+                    break
+            stats.record(len(draft), n_acc, emitted)
+            if stream.push([t for t in new[:emitted] if t not in eog]):
+                finish = "stop"
+            if proposer is not None and finish is None:
+                t = time.perf_counter()
+                proposer.accept(n_acc, token, hidden[0, :n_acc + 1])
+                stats.draft_s += time.perf_counter() - t
+        stats.decode_s = time.perf_counter() - t_decode
+    stream.finish()
+    stats.generated_tokens = len(out)
+    return Result(out, stream.text, finish, stats)
+
+
+def _finish(token: int, out: list[int], eog: set[int], max_tokens: int) -> str | None:
+    if token in eog:
+        return "stop"
+    if len(out) >= max_tokens:
+        return "length"
+    return None

@@ -1,0 +1,50 @@
+"""The proposer interface: anything that guesses the target's next tokens.
+
+A proposer drafts a chain (or a tree) of tokens and, when it samples them, their draft probabilities q. The verifier
+(spec/verify.py) checks drafts against the target's distributions p without ever asking which proposer made them,
+as llama.cpp's common_speculative_state and vLLM's rejection sampler (draft_probs=None for n-gram) do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Draft:
+    """Drafted tokens after the last accepted token.
+
+    tokens: [k] token ids. For a chain, token i follows token i-1 (token 0 follows the last accepted token).
+    q: [k, V] the draft distribution each token was sampled from, or None when every drafted token is a point
+       mass (n-gram lookup, greedy drafting): the verifier then treats q(x) = 1 for the drafted x.
+    parents: for a tree, the index of each node's parent in `tokens` (-1 = the last accepted token); None = chain.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    q: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Proposer(Protocol):
+    """begin(context) once after prefill; then per step propose(k) and, after verification, accept()."""
+
+    name: str
+
+    def begin(self, context: list[int]) -> None:
+        """The whole context so far: prompt tokens followed by the first generated token."""
+
+    def propose(self, k: int) -> Draft:
+        """Up to k tokens that follow the current context."""
+
+    def accept(self, n_accepted: int, next_token: int, hidden: torch.Tensor | None = None) -> None:
+        """The first n_accepted drafted tokens were accepted and `next_token` (recovered or bonus) follows them.
+
+        hidden: the target's final hidden states [1 + n_accepted, dim] at the positions that produced the accepted
+        tokens and next_token (the last accepted context token, then each accepted draft token), for proposers
+        that draft from the target's hidden state (MTP)."""

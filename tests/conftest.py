@@ -1,0 +1,73 @@
+"""Shared fixtures: the real models (loaded once per session) and their Hugging Face transformers references."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+CHAT_PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that reverses a string.",
+    "List three uses of a paperclip.",
+    "Explain why the sky is blue to a five-year-old.",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from specdec.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    from specdec.loader import gemma3_270m_path
+
+    return gemma3_270m_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32(smollm2_path):
+    """The default model with exactly dequantized weights (f32), the configuration compared with transformers."""
+    from specdec.loader import load
+
+    return load(smollm2_path, dtype="f32", quant="none", ctx=2048)
+
+
+@pytest.fixture(scope="session")
+def smollm2_default(smollm2_path):
+    """The default model as `specdec generate` runs it (auto dtype and quantization)."""
+    from specdec.loader import load
+
+    return load(smollm2_path, ctx=2048)
+
+
+def hf_gguf_model(path: Path, **kwargs):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                **kwargs).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    return hf_gguf_model(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)

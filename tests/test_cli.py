@@ -1,0 +1,94 @@
+"""The command line: text streams to stdout, a summary goes to stderr, and every bad input is one line on stderr
+with a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from specdec.cli import main
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "specdec", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_generate_streams_and_summarizes(tmp_path):
+    out = tmp_path / "r.json"
+    r = run_cli("generate", "-p", "What is the capital of France?", "--chat", "-n", "24", "--temp", "0",
+                "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["text"].strip() and result["text"].strip() in r.stdout
+    assert "tok/s" in r.stderr and "load" in r.stderr and "prompt" in r.stderr
+    assert result["stats"]["generated_tokens"] <= 24
+
+
+def test_truncated_gguf(tmp_path, smollm2_path):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(smollm2_path.read_bytes()[:30_000_000])
+    assert_one_line_error(run_cli("generate", "-m", str(bad), "-p", "hi"), "truncated")
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("just some text\n")
+    assert_one_line_error(run_cli("generate", "-m", str(bad), "-p", "hi"), "not a GGUF")
+
+
+def test_missing_file():
+    assert_one_line_error(run_cli("generate", "-m", "/nonexistent/model.gguf", "-p", "hi"), "not found")
+
+
+def test_unknown_architecture_gguf(tmp_path):
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(path, "falcon")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(run_cli("generate", "-m", str(path), "-p", "hi"), "falcon", "supports")
+
+
+def test_unknown_architecture_hf(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    assert_one_line_error(run_cli("generate", "-m", str(tmp_path), "-p", "hi"), "gpt2", "supports")
+
+
+def test_prompt_longer_than_context():
+    r = run_cli("generate", "-p", "hello " * 600, "-c", "256", "-n", "8")
+    assert_one_line_error(r, "context", "-c")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["generate", "-p", "hi", "--temp", "-1"], ["--temp"]),
+    (["generate", "-p", "hi", "--top-p", "0"], ["--top-p"]),
+    (["generate", "-p", "hi", "--quant", "int3"], ["--quant"]),
+    (["generate", "-p", "hi", "--dtype", "f8"], ["--dtype"]),
+    (["generate"], ["prompt"]),
+])
+def test_bad_flags_in_process(capsys, argv, words):
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1
+    for w in words:
+        assert w in err
