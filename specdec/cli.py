@@ -36,6 +36,19 @@ def _sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default -1)")
 
 
+def _speculative(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-md", "--model-draft", default=None, help="draft model (GGUF or HF folder) with the target's "
+                                                               "vocabulary; implies --spec draft")
+    p.add_argument("--spec", default=None, help="speculation: none, draft, ngram (default: draft when -md is given, "
+                                               "else none)")
+    p.add_argument("--draft-max", type=int, default=4, help="most tokens per draft (default 4)")
+    p.add_argument("--draft-min", type=int, default=0, help="drafts shorter than this are not verified (default 0)")
+    p.add_argument("--draft-p-min", type=float, default=0.8, help="stop drafting when the draft model's top "
+                                                                   "probability falls below P (default 0.8)")
+    p.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram to look up (default 2)")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram to look up (default 4)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Fast local LLM inference through lossless "
                                      "speculative decoding.")
@@ -44,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt")
     _common(g)
     _sampling(g)
+    _speculative(g)
     g.add_argument("-p", "--prompt", default=None, help="prompt text")
     g.add_argument("-f", "--file", default=None, help="read the prompt from a file")
     g.add_argument("-n", "--n-predict", type=int, default=256, help="tokens to generate (default 256)")
@@ -55,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark decoding modes side by side")
     _common(b)
-    b.add_argument("--mode", default="plain", help="comma-separated modes to run (plain, ...)")
+    _speculative(b)
+    b.add_argument("--mode", default=None, help="comma-separated modes to run: plain, draft (needs -md), ngram "
+                                                "(default: all that apply)")
     b.add_argument("--prompts", default=None, help="JSONL prompts (Spec-Bench question.jsonl or {\"prompt\": ...})")
     b.add_argument("--category", default=None, help="only prompts of these Spec-Bench categories (comma-separated)")
     b.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
@@ -120,12 +136,33 @@ def progress_bar(desc: str):
 def load_model(args, which: str = "model"):
     from .loader import load
 
-    update, close = progress_bar(f"loading {which}")
+    update, close = progress_bar(f"loading {which.replace('_', ' ')}")
     try:
         return load(getattr(args, which), dtype=args.dtype, quant=args.quant, device=args.device,
                     ctx=args.ctx_size, progress=update)
     finally:
         close()
+
+
+def spec_kind(args) -> str:
+    kind = args.spec or ("draft" if args.model_draft else "none")
+    if kind == "draft" and not args.model_draft:
+        raise ValueError("--spec draft needs a draft model: give -md DRAFT")
+    if args.draft_max < 0 or args.draft_min < 0:
+        raise ValueError("--draft-max and --draft-min must be >= 0")
+    return kind
+
+
+def format_spec_stats(s, kind: str) -> str:
+    """The speculative-decoding summary lines (vLLM's counters)."""
+    if s.drafted == 0:
+        return f"speculative ({kind}): no drafts were proposed"
+    per_pos = " ".join(f"{a:.0%}" for a in s.acceptance_per_position)
+    other = max(0.0, s.decode_s - s.draft_s - s.verify_s)
+    return (f"speculative ({kind}): {s.drafts} drafts, {s.drafted} drafted, {s.accepted} accepted "
+            f"({s.acceptance_rate:.1%}); per position {per_pos}; mean accepted length {s.mean_accepted_length:.2f} "
+            f"tokens per target forward\ntime: drafting {s.draft_s:.2f} s, verification {s.verify_s:.2f} s, "
+            f"other {other:.2f} s")
 
 
 def read_prompt(args) -> str:
@@ -156,7 +193,13 @@ def cmd_generate(args) -> int:
     params.validate()
     if args.n_predict <= 0:
         raise ValueError("-n must be > 0")
+    kind = spec_kind(args)
     target = load_model(args)
+    draft = load_model(args, "model_draft") if kind == "draft" else None
+    from .generate import FixedDraftLength
+    from .spec import build_proposer
+
+    proposer = build_proposer(kind, target, params, draft, args.draft_p_min, args.ngram_min, args.ngram_max)
     ids = prompt_tokens(target.tokenizer, text, args.chat, args.system)
 
     def on_text(piece: str) -> None:
@@ -164,7 +207,8 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
 
     result = generate(target.model, target.tokenizer, ids, params, max_tokens=args.n_predict, stop=args.stop,
-                      on_text=on_text, ignore_eos=args.ignore_eos)
+                      on_text=on_text, ignore_eos=args.ignore_eos, proposer=proposer,
+                      draft_length=FixedDraftLength(args.draft_max, args.draft_min))
     sys.stdout.write("\n")
     sys.stdout.flush()
     s = result.stats
@@ -172,6 +216,8 @@ def cmd_generate(args) -> int:
           f"{str(target.model.dtype).removeprefix('torch.')} activations) | prompt {s.prompt_tokens} tokens, "
           f"{s.prefill_tok_s:.1f} tok/s | generated {s.generated_tokens} tokens, {s.decode_tok_s:.1f} tok/s | "
           f"finish: {result.finish_reason}", file=sys.stderr)
+    if proposer is not None:
+        print(format_spec_stats(s, kind), file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,

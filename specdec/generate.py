@@ -146,7 +146,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
                     draft = Draft()
             t = time.perf_counter()
             ids = torch.tensor([[token] + draft.tokens], device=model.device)
-            logits, hidden = model(ids, torch.arange(n, n + 1 + len(draft), device=model.device), cache)
+            logits, hidden = model(ids, torch.arange(n, n + 1 + len(draft), device=model.device), cache, exact=True)
             n_acc, token = verify_chain(logits[0], draft, params, gen)
             cache.rollback(n + 1 + n_acc)
             elapsed = time.perf_counter() - t

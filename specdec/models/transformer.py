@@ -110,6 +110,13 @@ class Block:
         self.qk_norm = torch.cat([w["attn_q_norm"].expand(a.n_heads, -1), w["attn_k_norm"].expand(a.n_kv_heads, -1)]
                                  ).to(dtype) if a.qk_norm else None
 
+    def attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, end: int, mask: torch.Tensor | None,
+               window: int | None) -> torch.Tensor:
+        """Scaled dot-product attention of q [B, H, T, D] over cache slots [first, end), GQA without copies."""
+        first = max(0, end - window) if window else 0
+        return F.scaled_dot_product_attention(q, k_all[:, :, first:end], v_all[:, :, first:end], attn_mask=mask,
+                                              scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
+
     def tensors(self) -> list[torch.Tensor]:
         norms = [self.attn_norm, self.ffn_norm, self.post_attention_norm, self.post_ffw_norm, self.qk_norm]
         linears = [t for lin in (self.wqkv, self.wo, self.w13, self.w2) for t in lin.tensors()]
@@ -117,12 +124,15 @@ class Block:
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
                  k_all: torch.Tensor, v_all: torch.Tensor, start: int, mask: torch.Tensor | None,
-                 window: int | None) -> torch.Tensor:
+                 window: int | None, rows: bool = False) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim].
 
         rope: cos, sin [1, T, H + 2 Hkv, D]; kv [B, S, 2 Hkv, D] this layer's cache, written at slots
-        [start, start+T); k_all / v_all [B, Hkv, S, D] views of it; mask [T, L] bool (True = attend) or None
-        (attend every slot < L); window: for T = 1 decode of a sliding layer, attend only the last `window` slots."""
+        [start, start+T); k_all / v_all [B, Hkv, S, D] views of it. Attention is one of:
+        - mask [T, L] bool (True = attend): all T queries in one kernel call (prefill, trees);
+        - rows: each query alone over its causal prefix, exactly the call a T = 1 decode step makes;
+        - T = 1 (mask None): the query attends every slot < L.
+        window: for sliding layers in the last two modes, attend only the last `window` slots."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         L = start + T
@@ -132,9 +142,12 @@ class Block:
             qkv = torch.cat([qk, qkv[:, :, H + Hkv:]], dim=2)
         qkv = apply_rope(qkv, *rope)
         kv[:, start:L] = qkv[:, :, H:]
-        first = max(0, L - window) if window else 0
-        o = F.scaled_dot_product_attention(qkv[:, :, :H].transpose(1, 2), k_all[:, :, first:L], v_all[:, :, first:L],
-                                           attn_mask=mask, scale=self.scale, enable_gqa=H != Hkv)  # [B, H, T, D]
+        q = qkv[:, :, :H].transpose(1, 2)  # [B, H, T, D]
+        if rows:
+            o = torch.cat([self.attend(q[:, :, i:i + 1], k_all, v_all, start + i + 1, None, window)
+                           for i in range(T)], dim=2)
+        else:
+            o = self.attend(q, k_all, v_all, L, mask, window)  # [B, H, T, D]
         o = self.wo(o.transpose(1, 2).reshape(B, T, H * D))
         x = x + (rms_norm(o, self.post_attention_norm, self.eps) if self.sandwich else o)
         gate, up = self.w13(rms_norm(x, self.ffn_norm, self.eps)).split(self.ffn_dim, dim=-1)
@@ -207,11 +220,17 @@ class Transformer:
         return full, sliding
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                tree_mask: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 tree_mask: torch.Tensor | None = None, last_only: bool = False,
+                 exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [1, T], positions [T] -> (logits [1, T or 1, V] float32, hidden [1, T, dim] after the final norm).
 
         Writes the T new keys/values at cache slots [cache.length, cache.length + T) and advances cache.length.
-        tree_mask [T, T] bool says which new tokens each new token may see (default: causal, i.e. a chain)."""
+        tree_mask [T, T] bool says which new tokens each new token may see (default: causal, i.e. a chain).
+
+        exact: compute each of a chain's T positions exactly as T single-token decode steps would (bitwise), so that
+        verifying a draft can never disagree with plain decoding. The matmul kernels of the bf16 / int8 / int4 paths
+        are batch-invariant (row i of a [T, K] x [K, N] product does not depend on T); attention kernels are not, so
+        each query attends alone over its own prefix, as in a decode step."""
         T = tokens.shape[1]
         start = cache.reserve(T)
         L = start + T
@@ -219,18 +238,19 @@ class Transformer:
         x = F.embedding(tokens, self.embed).to(self.dtype)
         if self.args.embed_scale != 1.0:
             x = x * self.embed_scale
-        full, sliding = self._masks(positions, cache, start, T, tree_mask)
+        rows = exact and tree_mask is None and T > 1
+        full, sliding = (None, None) if rows else self._masks(positions, cache, start, T, tree_mask)
         a = self.args
         rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
         rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(
             positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
-        window = a.sliding_window if T == 1 else None
+        window = a.sliding_window if T == 1 or rows else None
         for i, layer in enumerate(self.layers):
             kv, k_all, v_all = cache.kv[i], cache.k_all[i], cache.v_all[i]
             if layer.sliding:
-                x = layer(x, rope_local, kv, k_all, v_all, start, sliding, window)
+                x = layer(x, rope_local, kv, k_all, v_all, start, sliding, window, rows)
             else:
-                x = layer(x, rope, kv, k_all, v_all, start, full, None)
+                x = layer(x, rope, kv, k_all, v_all, start, full, None, rows)
         cache.length = L
         h = rms_norm(x, self.output_norm, a.norm_eps)
         logits = self.output(h[:, -1:] if last_only else h).float()

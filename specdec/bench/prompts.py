@@ -1,0 +1,69 @@
+"""Benchmark prompts: Spec-Bench's question.jsonl, a plain {"prompt": ...} JSONL, or a small built-in set."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# Spec-Bench folds MT-bench's eight categories into one task
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+BUILTIN = [
+    ("chat", "Explain the difference between a list and a tuple in Python, with an example of each."),
+    ("chat", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+    ("summarization", "Summarize the following text in two sentences.\n\nThe printing press, invented by Johannes "
+     "Gutenberg around 1440, allowed books to be produced quickly and cheaply. Before it, books were copied by "
+     "hand, which made them rare and expensive. The press spread literacy across Europe, helped the Reformation "
+     "and the Scientific Revolution, and changed how knowledge was shared. Within fifty years, printing presses "
+     "operated in over two hundred cities, and millions of books had been printed."),
+    ("code", "Rewrite this function with a docstring and type hints:\n\ndef area(w, h):\n    return w * h\n"),
+]
+
+
+@dataclass
+class Prompt:
+    category: str
+    text: str
+    id: str
+
+
+def load_prompts(path: str | Path | None, categories: str | None = None, limit: int | None = None) -> list[Prompt]:
+    """Prompts grouped by category, at most `limit` per category. Spec-Bench rows use their first turn."""
+    if path is None:
+        rows = [Prompt(c, t, f"builtin-{i}") for i, (c, t) in enumerate(BUILTIN)]
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"prompt file not found: {p}")
+        rows = []
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{n + 1} is not JSON ({e.msg}): one JSON object per line expected") from e
+            if "turns" in d:
+                cat = d.get("category", "default")
+                rows.append(Prompt("mt_bench" if cat in MT_BENCH else cat, d["turns"][0],
+                                   str(d.get("question_id", n))))
+            elif "prompt" in d:
+                rows.append(Prompt(d.get("category", "default"), d["prompt"], str(d.get("id", n))))
+            else:
+                raise ValueError(f"{p}:{n + 1} has neither 'turns' (Spec-Bench) nor 'prompt'")
+    if categories:
+        wanted = {c.strip() for c in categories.split(",")}
+        known = {r.category for r in rows}
+        if not wanted & known:
+            raise ValueError(f"no prompts of category {categories}: the file has {', '.join(sorted(known))}")
+        rows = [r for r in rows if r.category in wanted]
+    if limit is not None:
+        counts: dict[str, int] = {}
+        kept = []
+        for r in rows:
+            counts[r.category] = counts.get(r.category, 0) + 1
+            if counts[r.category] <= limit:
+                kept.append(r)
+        rows = kept
+    return rows

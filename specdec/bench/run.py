@@ -1,0 +1,277 @@
+"""`specdec bench`: every decoding mode (and optional peer engines) on the same prompts, in one process and one run.
+
+Runs are interleaved (for each repeat, for each prompt, every mode in turn) so that noise on a shared machine hits all
+modes alike; each (mode, prompt) keeps the median of its repeats. Greedy decoding throughout, so every speculative
+output must equal the plain output token for token: any difference is reported loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..generate import FixedDraftLength, Result, generate
+from ..sampling import SamplingParams
+from ..spec.stats import Stats
+from .prompts import Prompt, load_prompts
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class Mode:
+    """A decoding mode: how to build its proposer and draft-length policy for one generation."""
+
+    name: str
+    models: str
+    make: Callable[[], tuple[object | None, object | None]]
+    draft_bytes: int = 0  # weight bytes a drafting forward reads (a draft model's), for GB/s
+
+
+@dataclass
+class Cell:
+    """Results of one mode on one prompt: one entry per repeat."""
+
+    results: list[Result] = field(default_factory=list)
+
+    @property
+    def median_decode_s(self) -> float:
+        return statistics.median(r.stats.decode_s for r in self.results)
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1024 if sys.platform != "darwin" else rss / 2**20
+
+
+def machine_info() -> dict:
+    import psutil
+
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": psutil.cpu_count(),
+            "physical_cores": psutil.cpu_count(logical=False),
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version()}
+
+
+def chat_prompt_ids(tokenizer, prompt: Prompt, chat: bool) -> list[int]:
+    if chat and tokenizer.chat_template:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt.text}])
+    return tokenizer.encode(prompt.text)
+
+
+class HFPeer:
+    """Hugging Face transformers' greedy `generate` on the same model file and prompts.
+
+    Decode time = time(generate n tokens) - time(generate 1 token), so the prefill is excluded as for specdec."""
+
+    name = "hf transformers"
+
+    def __init__(self, path, dtype: torch.dtype = torch.float32):
+        import os
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+        if path.is_dir():
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        self.model.eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def run(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+        x = torch.tensor([ids])
+        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            self.model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
+            t1 = time.perf_counter() - t
+            t = time.perf_counter()
+            out = self.model.generate(x, max_new_tokens=n, min_new_tokens=n, **kw)
+            tn = time.perf_counter() - t
+        return max(tn - t1, 1e-9), out[0, len(ids):].tolist()
+
+
+def plain_mode() -> Mode:
+    return Mode("plain", "target", lambda: (None, None))
+
+
+def cmd_bench(args) -> int:
+    from ..cli import load_model
+
+    default = "plain,ngram" + (",draft" if args.model_draft else "")
+    modes_wanted = [m.strip() for m in (args.mode or default).split(",") if m.strip()]
+    prompts = load_prompts(args.prompts, args.category, args.limit)
+    if not prompts:
+        raise ValueError("no prompts to run")
+    if args.n_predict <= 1:
+        raise ValueError("-n must be > 1")
+    target = load_model(args)
+    modes = build_modes(modes_wanted, target, args)
+    peers = []
+    for peer in args.peer:
+        if peer != "hf":
+            raise ValueError(f"unknown --peer '{peer}': use hf")
+        print("loading hf transformers peer ...", file=sys.stderr)
+        peers.append(HFPeer(target.path))
+    report = run_bench(target, modes, peers, prompts, args.n_predict, args.repeats, chat=not args.no_chat)
+    report["settings"] = {"model": str(target.path), "file_type": target.file_type, "quant": target.model.quant,
+                          "dtype": str(target.model.dtype).removeprefix("torch."), "n_predict": args.n_predict,
+                          "repeats": args.repeats, "prompts": args.prompts or "builtin", "category": args.category,
+                          "limit": args.limit, "chat": not args.no_chat, "modes": modes_wanted, "peers": args.peer,
+                          "load_s": target.load_seconds}
+    print_report(report)
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 1 if report["mismatches"] else 0
+
+
+def build_modes(names: list[str], target, args) -> list[Mode]:
+    from ..cli import load_model
+    from ..spec import build_proposer
+
+    policy = lambda: FixedDraftLength(args.draft_max, args.draft_min)  # noqa: E731
+    modes = []
+    draft = None
+    for name in names:
+        if name == "plain":
+            modes.append(plain_mode())
+        elif name == "ngram":
+            modes.append(Mode("ngram", "target", lambda: (
+                build_proposer("ngram", target, GREEDY, ngram_min=args.ngram_min, ngram_max=args.ngram_max),
+                policy())))
+        elif name == "draft":
+            if not args.model_draft:
+                raise ValueError("mode draft needs a draft model: give -md DRAFT")
+            draft = draft or load_model(args, "model_draft")
+            build_proposer("draft", target, GREEDY, draft)  # refuses a mismatched vocabulary before any run
+            modes.append(Mode("draft", "target + draft", lambda d=draft: (
+                build_proposer("draft", target, GREEDY, d, args.draft_p_min), policy()),
+                draft_bytes=draft.model.weight_bytes))
+        else:
+            raise ValueError(f"unknown mode '{name}': use plain, ngram, draft")
+    if "plain" not in names:
+        modes.insert(0, plain_mode())  # every speedup is measured against plain decoding in the same run
+    return modes
+
+
+def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: int, repeats: int,
+              chat: bool = True) -> dict:
+    from tqdm import tqdm
+
+    model, tok = target.model, target.tokenizer
+    ids = [chat_prompt_ids(tok, p, chat) for p in prompts]
+    cells = {(m.name, i): Cell() for m in modes for i in range(len(prompts))}
+    peer_times = {(pe.name, i): [] for pe in peers for i in range(len(prompts))}
+    peer_tokens = {}
+    # one warm-up generation per mode (allocations, first-touch of the weights)
+    for m in modes:
+        proposer, policy = m.make()
+        generate(model, tok, ids[0], GREEDY, max_tokens=8, proposer=proposer, draft_length=policy, ignore_eos=True)
+    total = repeats * len(prompts) * (len(modes) + len(peers))
+    with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
+        for _ in range(repeats):
+            for i, x in enumerate(ids):
+                for m in modes:
+                    proposer, policy = m.make()
+                    r = generate(model, tok, x, GREEDY, max_tokens=n, proposer=proposer, draft_length=policy,
+                                 ignore_eos=True)
+                    cells[(m.name, i)].results.append(r)
+                    bar.update(1)
+                for pe in peers:
+                    dt, toks = pe.run(x, n)
+                    peer_times[(pe.name, i)].append(dt)
+                    peer_tokens[(pe.name, i)] = toks
+                    bar.update(1)
+    # greedy outputs must agree: every mode with plain, and the peers with plain
+    mismatches = []
+    for i, p in enumerate(prompts):
+        ref = cells[("plain", i)].results[0].tokens
+        for m in modes:
+            for r in cells[(m.name, i)].results:
+                if r.tokens != ref:
+                    mismatches.append({"mode": m.name, "prompt": p.id, "first_diff": _first_diff(ref, r.tokens)})
+                    break
+    peer_agreement = {}
+    for pe in peers:
+        same = [peer_tokens[(pe.name, i)] == cells[("plain", i)].results[0].tokens for i in range(len(prompts))]
+        peer_agreement[pe.name] = sum(same) / len(same)
+    categories = sorted({p.category for p in prompts})
+    rows = []
+    for cat in categories + ["all"]:
+        idx = [i for i, p in enumerate(prompts) if cat in ("all", p.category)]
+        base = None
+        for m in modes:
+            st = Stats()
+            time_s = 0.0
+            for i in idx:
+                cell = cells[(m.name, i)]
+                st.merge(cell.results[0].stats)
+                time_s += cell.median_decode_s
+            toks = sum(cells[(m.name, i)].results[0].stats.generated_tokens - 1 for i in idx)
+            tok_s = toks / time_s
+            base = base or tok_s
+            fwd_s = st.forwards / st.decode_s if st.decode_s else 0.0
+            gbs = (model.weight_bytes * fwd_s + m.draft_bytes * (st.drafted / st.decode_s if st.decode_s else 0)) / 1e9
+            rows.append({"category": cat, "mode": m.name, "models": m.models, "tok_s": tok_s, "speedup": tok_s / base,
+                         "mean_accepted": st.mean_accepted_length, "acceptance": st.acceptance_rate,
+                         "acceptance_per_position": st.acceptance_per_position, "gb_s": gbs,
+                         "draft_share": st.draft_s / st.decode_s if st.decode_s else 0.0,
+                         "verify_share": st.verify_s / st.decode_s if st.decode_s else 0.0, "tokens": toks,
+                         "decode_s": time_s})
+        for pe in peers:
+            time_s = sum(statistics.median(peer_times[(pe.name, i)]) for i in idx)
+            toks = (n - 1) * len(idx)
+            rows.append({"category": cat, "mode": pe.name, "models": "target (fp32)", "tok_s": toks / time_s,
+                         "speedup": toks / time_s / base, "mean_accepted": 1.0, "acceptance": None,
+                         "acceptance_per_position": [], "gb_s": pe.weight_bytes * toks / time_s / 1e9,
+                         "tokens": toks, "decode_s": time_s})
+    return {"machine": machine_info(), "rows": rows, "mismatches": mismatches, "peer_greedy_agreement": peer_agreement,
+            "peak_rss_mb": peak_rss_mb(), "target_weight_bytes": model.weight_bytes,
+            "prompts": [{"id": p.id, "category": p.category} for p in prompts]}
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def print_report(report: dict) -> None:
+    rows = report["rows"]
+    print("| category | mode | models | tok/s | speedup | mean accepted | acceptance | GB/s achieved |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
+        print(f"| {r['category']} | {r['mode']} | {r['models']} | {r['tok_s']:.1f} | {r['speedup']:.2f} | "
+              f"{r['mean_accepted']:.2f} | {acc} | {r['gb_s']:.1f} |")
+    for name, agree in report["peer_greedy_agreement"].items():
+        print(f"\n{name}: identical greedy output on {agree:.0%} of prompts")
+    if report["mismatches"]:
+        print(f"\n!!! {len(report['mismatches'])} speculative outputs DIFFER from plain greedy output:",
+              file=sys.stderr)
+        for mm in report["mismatches"]:
+            print(f"!!!   mode {mm['mode']} prompt {mm['prompt']} first differs at token {mm['first_diff']}",
+                  file=sys.stderr)
+    else:
+        print("\ngreedy outputs of every mode are identical to plain decoding")
+    allrows = {r["mode"]: r for r in rows if r["category"] == "all"}
+    summary = ", ".join(f"{m} {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x)" for m, r in allrows.items())
+    print(f"summary: {summary}; peak RSS {report['peak_rss_mb']:.0f} MB", file=sys.stderr)

@@ -1,0 +1,174 @@
+"""Speculative decoding is lossless: greedy output equals plain greedy output token for token, for every proposer and
+draft length, on the real default model; caches roll back exactly; EOS / stop strings / -n inside an accepted draft
+end generation exactly where plain decoding does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CHAT_PROMPTS
+from tiny_models import write_gguf
+
+from specdec.config import ModelError
+from specdec.generate import FixedDraftLength, generate, prefill
+from specdec.loader import load
+from specdec.sampling import SamplingParams
+from specdec.spec import build_proposer
+from specdec.spec.base import Draft
+from specdec.spec.ngram import NgramProposer
+
+GREEDY = SamplingParams(temperature=0.0)
+N = 40
+PROMPTS = CHAT_PROMPTS[:2] + ["Repeat exactly, twice: the quick brown fox jumps over the lazy dog."]
+
+
+class RandomProposer:
+    """Adversarial: drafts uniformly random tokens (almost all rejected)."""
+
+    name = "random"
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.g = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+
+    def begin(self, context):
+        pass
+
+    def propose(self, k):
+        return Draft(torch.randint(0, self.vocab, (k,), generator=self.g).tolist())
+
+    def accept(self, n_accepted, next_token, hidden=None):
+        pass
+
+
+class OracleProposer:
+    """Drafts the known continuation (then junk), so whole drafts are accepted."""
+
+    name = "oracle"
+
+    def __init__(self, continuation: list[int], junk: int = 7):
+        self.cont, self.junk = continuation, junk
+        self.pos = 0
+
+    def begin(self, context):
+        self.pos = 1  # the first generated token came from the prefill
+
+    def propose(self, k):
+        return Draft((self.cont[self.pos:self.pos + k] + [self.junk] * k)[:k])
+
+    def accept(self, n_accepted, next_token, hidden=None):
+        self.pos += n_accepted + 1
+
+
+def chat(tok, text):
+    return tok.encode_chat([{"role": "user", "content": text}])
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_default):
+    return smollm2_default
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return {p: generate(target.model, target.tokenizer, chat(target.tokenizer, p), GREEDY, max_tokens=N,
+                        ignore_eos=True).tokens for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """A small random-weight llama with the default model's vocabulary."""
+    path = write_gguf("llama", tmp_path_factory.mktemp("draft") / "tiny-draft.gguf", seed=11)
+    return load(path, ctx=2048)
+
+
+def make(kind, target, tiny_draft):
+    if kind == "self":
+        return build_proposer("draft", target, GREEDY, target)
+    if kind == "tiny":
+        return build_proposer("draft", target, GREEDY, tiny_draft)
+    if kind == "ngram":
+        return NgramProposer(1, 4)
+    return RandomProposer(target.model.args.vocab_size)
+
+
+@pytest.mark.parametrize("kind", ["self", "tiny", "ngram", "random"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_identity(target, plain, tiny_draft, kind, k):
+    for p in PROMPTS:
+        r = generate(target.model, target.tokenizer, chat(target.tokenizer, p), GREEDY, max_tokens=N,
+                     ignore_eos=True, proposer=make(kind, target, tiny_draft), draft_length=FixedDraftLength(k))
+        assert r.tokens == plain[p], f"{kind} k={k} differs on {p!r}"
+        if kind in ("self", "random"):
+            assert r.stats.drafted > 0
+
+
+def test_self_draft_accepts_everything(target):
+    r = generate(target.model, target.tokenizer, chat(target.tokenizer, PROMPTS[0]), GREEDY, max_tokens=N,
+                 ignore_eos=True, proposer=build_proposer("draft", target, GREEDY, target),
+                 draft_length=FixedDraftLength(4))
+    assert r.stats.drafted > 0 and r.stats.acceptance_rate == 1.0
+    assert r.stats.mean_accepted_length > 4.0  # 4 accepted + the bonus token per forward (the last one may be short)
+
+
+def test_rollback_leaves_caches_as_if_never_drafted(target, tiny_draft):
+    """After generation with many rejections, the target's and the draft's caches equal, bit for bit, the caches of
+    a run that never drafted: prefill of the prompt, then one token per forward (plain decoding)."""
+    tok = target.tokenizer
+    ids = chat(tok, PROMPTS[0])
+    cache = target.model.new_cache()
+    proposer = build_proposer("draft", target, GREEDY, tiny_draft)
+    r = generate(target.model, tok, ids, GREEDY, max_tokens=24, ignore_eos=True, proposer=proposer,
+                 draft_length=FixedDraftLength(4), cache=cache)
+    assert r.stats.drafted > r.stats.accepted  # there were rejections
+    assert cache.length == len(ids) + len(r.tokens) - 1  # everything but the pending token
+    with torch.inference_mode():
+        for model, used in ((target.model, cache), (tiny_draft.model, proposer.cache)):
+            fresh = model.new_cache()
+            prefill(model, ids, fresh)
+            for i, t in enumerate(r.tokens[:used.length - len(ids)]):
+                model(torch.tensor([[t]]), torch.tensor([len(ids) + i]), fresh)
+            assert fresh.length == used.length
+            assert torch.equal(used.kv[:, :, :used.length], fresh.kv[:, :, :used.length])
+            nxt = torch.tensor([[r.tokens[-1]]])
+            a, _ = model(nxt, torch.tensor([used.length]), used)
+            b, _ = model(nxt, torch.tensor([fresh.length]), fresh)
+            assert torch.equal(a, b)
+
+
+def test_vocabulary_mismatch_is_refused(target, gemma_path):
+    gemma = load(gemma_path, ctx=256)
+    with pytest.raises(ModelError, match="differ"):
+        build_proposer("draft", target, GREEDY, gemma)
+
+
+def test_eos_stop_and_max_tokens_inside_accepted_draft(target):
+    tok = target.tokenizer
+    ids = chat(tok, "What is 2+2? Answer with a number only.")
+    ref = generate(target.model, tok, ids, GREEDY, max_tokens=50)
+    assert ref.finish_reason == "stop" and len(ref.tokens) > 4  # ends with EOS
+    # the oracle drafts 8 tokens at a time, through the EOS and beyond
+    r = generate(target.model, tok, ids, GREEDY, max_tokens=50, proposer=OracleProposer(ref.tokens),
+                 draft_length=FixedDraftLength(8))
+    assert r.tokens == ref.tokens and r.finish_reason == "stop" and r.text == ref.text
+    assert r.stats.accepted > 0
+    long = generate(target.model, tok, chat(tok, PROMPTS[1]), GREEDY, max_tokens=N, ignore_eos=True)
+    for n in (3, 10, 17):
+        r = generate(target.model, tok, chat(tok, PROMPTS[1]), GREEDY, max_tokens=n, ignore_eos=True,
+                     proposer=OracleProposer(long.tokens), draft_length=FixedDraftLength(8))
+        assert r.tokens == long.tokens[:n] and r.finish_reason == "length"
+    stop = long.text[len(long.text) // 2:][:3]
+    cut = generate(target.model, tok, chat(tok, PROMPTS[1]), GREEDY, max_tokens=N, ignore_eos=True, stop=[stop],
+                   proposer=OracleProposer(long.tokens), draft_length=FixedDraftLength(8))
+    assert cut.finish_reason == "stop" and cut.text == long.text[:long.text.find(stop)]
+
+
+def test_ngram_proposer_lookup():
+    p = NgramProposer(1, 3)
+    p.begin([1, 2, 3, 4, 5, 9, 2, 3])
+    assert p.propose(3).tokens == [4, 5, 9]  # "2 3" was last followed by 4 5 9
+    p.accept(1, 7)  # 4 accepted, then 7
+    assert p.tokens[-2:] == [4, 7]
+    assert p.propose(2).tokens == []  # "4 7", "7" never seen before
+    p.begin([5, 6, 5, 6, 5])
+    assert p.propose(4).tokens == [6, 5]  # most recent earlier "6 5" / "5" continuation, cut at the context's end
