@@ -41,7 +41,8 @@ def _speculative(p: argparse.ArgumentParser) -> None:
                                                                "vocabulary; implies --spec draft")
     p.add_argument("--spec", default=None, help="speculation: none, draft, ngram (default: draft when -md is given, "
                                                "else none)")
-    p.add_argument("--draft-max", type=int, default=4, help="most tokens per draft (default 4)")
+    p.add_argument("--draft-max", default="auto", help="most tokens per draft, or auto: choose each step's draft "
+                                                       "length (0..8) from measured acceptance and costs (default)")
     p.add_argument("--draft-min", type=int, default=0, help="drafts shorter than this are not verified (default 0)")
     p.add_argument("--draft-p-min", type=float, default=0.8, help="stop drafting when the draft model's top "
                                                                    "probability falls below P (default 0.8)")
@@ -148,9 +149,26 @@ def spec_kind(args) -> str:
     kind = args.spec or ("draft" if args.model_draft else "none")
     if kind == "draft" and not args.model_draft:
         raise ValueError("--spec draft needs a draft model: give -md DRAFT")
-    if args.draft_max < 0 or args.draft_min < 0:
-        raise ValueError("--draft-max and --draft-min must be >= 0")
+    if args.draft_min < 0:
+        raise ValueError("--draft-min must be >= 0")
+    for v in str(args.draft_max).split(","):
+        draft_length(v, 0)  # validates
     return kind
+
+
+def draft_length(value: str, draft_min: int):
+    """A draft-length policy from a --draft-max value: "auto" or a number of tokens."""
+    from .spec.autok import AutoDraftLength, FixedDraftLength
+
+    if value == "auto":
+        return AutoDraftLength(8, draft_min)
+    try:
+        k = int(value)
+    except ValueError:
+        raise ValueError(f"--draft-max must be auto or a number, not '{value}'") from None
+    if k < 0:
+        raise ValueError("--draft-max must be >= 0")
+    return FixedDraftLength(k, draft_min)
 
 
 def format_spec_stats(s, kind: str) -> str:
@@ -196,7 +214,6 @@ def cmd_generate(args) -> int:
     kind = spec_kind(args)
     target = load_model(args)
     draft = load_model(args, "model_draft") if kind == "draft" else None
-    from .generate import FixedDraftLength
     from .spec import build_proposer
 
     proposer = build_proposer(kind, target, params, draft, args.draft_p_min, args.ngram_min, args.ngram_max)
@@ -208,7 +225,7 @@ def cmd_generate(args) -> int:
 
     result = generate(target.model, target.tokenizer, ids, params, max_tokens=args.n_predict, stop=args.stop,
                       on_text=on_text, ignore_eos=args.ignore_eos, proposer=proposer,
-                      draft_length=FixedDraftLength(args.draft_max, args.draft_min))
+                      draft_length=draft_length(args.draft_max, args.draft_min))
     sys.stdout.write("\n")
     sys.stdout.flush()
     s = result.stats

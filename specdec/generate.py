@@ -18,6 +18,7 @@ from .cache import KVCache
 from .config import ModelError
 from .models.transformer import Transformer
 from .sampling import SamplingParams, make_generator, next_token
+from .spec.autok import AutoDraftLength, FixedDraftLength
 from .spec.base import Draft, Proposer
 from .spec.stats import Stats
 from .spec.verify import verify_chain
@@ -32,19 +33,6 @@ class Result:
     text: str
     finish_reason: str  # "stop" (EOS or stop string), "length" (-n reached), "context" (context window full)
     stats: Stats = field(default_factory=Stats)
-
-
-class FixedDraftLength:
-    """Draft k = draft_max tokens each step (llama.cpp's --draft-max); shorter drafts than draft_min are dropped."""
-
-    def __init__(self, draft_max: int, draft_min: int = 0):
-        self.draft_max, self.draft_min = draft_max, draft_min
-
-    def choose(self, stats: Stats) -> int:
-        return self.draft_max
-
-    def update(self, k: int, n_accepted: int, seconds: float) -> None:
-        pass
 
 
 def prefill(model: Transformer, tokens: Sequence[int], cache: KVCache, chunk: int = PREFILL_CHUNK,
@@ -104,7 +92,8 @@ class TextStream:
 
 def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], params: SamplingParams,
              max_tokens: int = 256, stop: Sequence[str] = (), proposer: Proposer | None = None,
-             draft_length: FixedDraftLength | None = None, on_text: Callable[[str], None] | None = None,
+             draft_length: FixedDraftLength | AutoDraftLength | None = None,
+             on_text: Callable[[str], None] | None = None,
              ignore_eos: bool = False, cache: KVCache | None = None) -> Result:
     """Generate up to max_tokens after `prompt`, streaming text to on_text; speculative when a proposer is given."""
     params.validate()
@@ -136,12 +125,14 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
                 finish = "context"
                 break
             # never draft past the context window or past max_tokens
-            k = min(draft_length.choose(stats), cache.max_len - n - 1, max_tokens - len(out) - 1)
+            k = min(draft_length.choose(), cache.max_len - n - 1, max_tokens - len(out) - 1) if proposer else 0
             draft = Draft()
-            if proposer is not None and k > 0:
+            draft_s = 0.0
+            if k > 0:
                 t = time.perf_counter()
                 draft = proposer.propose(k)
-                stats.draft_s += time.perf_counter() - t
+                draft_s = time.perf_counter() - t
+                stats.draft_s += draft_s
                 if len(draft) < max(draft_length.draft_min, 1):
                     draft = Draft()
             t = time.perf_counter()
@@ -151,7 +142,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
             cache.rollback(n + 1 + n_acc)
             elapsed = time.perf_counter() - t
             stats.verify_s += elapsed
-            draft_length.update(len(draft), n_acc, elapsed)
+            draft_length.update(len(draft), n_acc, elapsed, draft_s)
             new = draft.tokens[:n_acc] + [token]
             emitted = 0
             for tok in new:  # EOS / -n inside the accepted tokens end generation right there

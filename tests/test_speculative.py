@@ -10,10 +10,11 @@ from conftest import CHAT_PROMPTS
 from tiny_models import write_gguf
 
 from specdec.config import ModelError
-from specdec.generate import FixedDraftLength, generate, prefill
+from specdec.generate import generate, prefill
 from specdec.loader import load
 from specdec.sampling import SamplingParams
 from specdec.spec import build_proposer
+from specdec.spec.autok import FixedDraftLength
 from specdec.spec.base import Draft
 from specdec.spec.ngram import NgramProposer
 

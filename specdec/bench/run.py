@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generate import FixedDraftLength, Result, generate
+from ..generate import Result, generate
 from ..sampling import SamplingParams
 from ..spec.stats import Stats
 from .prompts import Prompt, load_prompts
@@ -143,29 +143,34 @@ def cmd_bench(args) -> int:
 
 
 def build_modes(names: list[str], target, args) -> list[Mode]:
-    from ..cli import load_model
+    """One Mode per (speculation kind, --draft-max value): `--draft-max auto,2,4,8` gives four rows per kind."""
+    from ..cli import draft_length, load_model
     from ..spec import build_proposer
 
-    policy = lambda: FixedDraftLength(args.draft_max, args.draft_min)  # noqa: E731
+    ks = [v.strip() for v in str(args.draft_max).split(",") if v.strip()]
     modes = []
     draft = None
     for name in names:
         if name == "plain":
             modes.append(plain_mode())
-        elif name == "ngram":
-            modes.append(Mode("ngram", "target", lambda: (
-                build_proposer("ngram", target, GREEDY, ngram_min=args.ngram_min, ngram_max=args.ngram_max),
-                policy())))
-        elif name == "draft":
+            continue
+        if name == "draft":
             if not args.model_draft:
                 raise ValueError("mode draft needs a draft model: give -md DRAFT")
             draft = draft or load_model(args, "model_draft")
             build_proposer("draft", target, GREEDY, draft)  # refuses a mismatched vocabulary before any run
-            modes.append(Mode("draft", "target + draft", lambda d=draft: (
-                build_proposer("draft", target, GREEDY, d, args.draft_p_min), policy()),
-                draft_bytes=draft.model.weight_bytes))
-        else:
+        elif name != "ngram":
             raise ValueError(f"unknown mode '{name}': use plain, ngram, draft")
+        for k in ks:
+            label = f"{name} (K {k})" if len(ks) > 1 or k != "auto" else name
+
+            def make(name=name, k=k, draft=draft):
+                proposer = build_proposer(name, target, GREEDY, draft, args.draft_p_min, args.ngram_min,
+                                          args.ngram_max)
+                return proposer, draft_length(k, args.draft_min)
+
+            modes.append(Mode(label, "target + draft" if name == "draft" else "target", make,
+                              draft_bytes=draft.model.weight_bytes if name == "draft" else 0))
     if "plain" not in names:
         modes.insert(0, plain_mode())  # every speedup is measured against plain decoding in the same run
     return modes

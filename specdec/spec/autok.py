@@ -1,0 +1,82 @@
+"""Draft-length policies: a fixed K (llama.cpp's --draft-max N) and `--draft-max auto`.
+
+auto keeps running estimates of (a) the acceptance probability at each draft position, conditional on the earlier
+positions having been accepted, (b) the target's forward time for each number of tokens T it has verified, and
+(c) the drafting time per token, and each step picks the K (0 = plain decoding) that maximizes the predicted tokens
+per second of spec/costmodel.py. Estimates forget old evidence exponentially, so the policy follows a prompt whose
+drafts go from useless (free text) to excellent (a quoted list) and back.
+"""
+
+from __future__ import annotations
+
+from .costmodel import best_k
+
+
+class FixedDraftLength:
+    """Draft k = draft_max tokens each step (llama.cpp's --draft-max); drafts shorter than draft_min are dropped."""
+
+    def __init__(self, draft_max: int, draft_min: int = 0):
+        self.draft_max, self.draft_min = draft_max, draft_min
+
+    def choose(self) -> int:
+        return self.draft_max
+
+    def update(self, k: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
+        pass
+
+
+class AutoDraftLength:
+    """Choose each step's K to maximize expected tokens per second, from measured acceptance and costs."""
+
+    def __init__(self, k_max: int = 8, draft_min: int = 0, prior_acceptance: float = 0.5, decay: float = 0.95,
+                 probe_every: int = 16):
+        self.draft_max, self.draft_min = k_max, draft_min
+        self.decay, self.probe_every = decay, probe_every
+        # acceptance per position: exponentially weighted counts, one pseudo-observation of the prior each
+        self.acc = [prior_acceptance] * k_max
+        self.seen = [1.0] * k_max
+        self.verify_s: dict[int, float] = {}  # T -> EMA seconds of a target forward over T tokens
+        self.draft_s_per_token: float | None = None
+        self.since_draft = 0
+        self.last_choice = 0
+
+    def acceptance(self) -> list[float]:
+        return [a / s for a, s in zip(self.acc, self.seen, strict=True)]
+
+    def verify_cost(self, t: int) -> float:
+        """v(T) / v(1), measured where possible; otherwise extrapolated from the nearest measured T with a prior
+        slope of 25% per extra token (MACHINE-FACTS: ~1.2-1.6x for T = 2-4 on a 2-core CPU)."""
+        if not self.verify_s:
+            return 1.0 + 0.25 * (t - 1)
+        base = self.verify_s.get(1) or min(self.verify_s.values())
+        if t in self.verify_s:
+            return self.verify_s[t] / base
+        below = [x for x in self.verify_s if x < t]
+        near = max(below) if below else min(self.verify_s)
+        return self.verify_s[near] / base * (1.0 + 0.25 * (t - near))
+
+    def choose(self) -> int:
+        base = self.verify_s.get(1)
+        c = (self.draft_s_per_token / base) if (self.draft_s_per_token is not None and base) else 0.0
+        k, _ = best_k(self.acceptance(), c, self.verify_cost, self.draft_max)
+        if k == 0 and self.since_draft >= self.probe_every:
+            k = 1  # probe now and then, or the estimates could never recover
+        self.last_choice = k
+        return k
+
+    def update(self, k: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
+        """One step: a draft of k tokens (0 = none verified), n_accepted of them accepted, the target forward over
+        k + 1 tokens took verify_s seconds and drafting took draft_s."""
+        t = k + 1
+        old = self.verify_s.get(t)
+        self.verify_s[t] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
+        if k == 0:
+            self.since_draft += 1
+            return
+        self.since_draft = 0
+        per_token = draft_s / k
+        self.draft_s_per_token = per_token if self.draft_s_per_token is None else (
+            0.8 * self.draft_s_per_token + 0.2 * per_token)
+        for i in range(min(k, n_accepted + 1)):  # positions reached: all accepted ones and the first rejected one
+            self.acc[i] = self.decay * self.acc[i] + (1.0 if i < n_accepted else 0.0)
+            self.seen[i] = self.decay * self.seen[i] + 1.0
