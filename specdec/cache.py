@@ -17,9 +17,10 @@ class ContextFull(Exception):
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", batch: int = 1):
         # keys and values side by side, so one copy writes both: kv[l, :, s, :Hkv] = K, kv[l, :, s, Hkv:] = V
-        self.kv = torch.zeros(n_layers, 1, max_len, 2 * n_kv_heads, head_dim, dtype=dtype, device=device)
+        # batch > 1 only for sequences that advance in lockstep (train-mtp samples one prompt several times)
+        self.kv = torch.zeros(n_layers, batch, max_len, 2 * n_kv_heads, head_dim, dtype=dtype, device=device)
         # per-layer views as attention reads them: [B, Hkv, S, D] (made once; slicing them per step is one op)
         self.k_all = [self.kv[i, :, :, :n_kv_heads].transpose(1, 2) for i in range(n_layers)]
         self.v_all = [self.kv[i, :, :, n_kv_heads:].transpose(1, 2) for i in range(n_layers)]

@@ -1,4 +1,4 @@
-"""Command line: `specdec generate | bench`, with flags as llama.cpp users know them.
+"""Command line: `specdec generate | bench | roofline`, with flags as llama.cpp users know them.
 
 Every user-facing failure is one line on stderr and a non-zero exit (a traceback only with SPECDEC_DEBUG=1).
 """
@@ -39,8 +39,12 @@ def _sampling(p: argparse.ArgumentParser) -> None:
 def _speculative(p: argparse.ArgumentParser) -> None:
     p.add_argument("-md", "--model-draft", default=None, help="draft model (GGUF or HF folder) with the target's "
                                                                "vocabulary; implies --spec draft")
-    p.add_argument("--spec", default=None, help="speculation: none, draft, ngram (default: draft when -md is given, "
-                                               "else none)")
+    p.add_argument("--spec", default=None, help="speculation: none, draft, ngram, mtp (default: draft when -md is "
+                                               "given, else mtp when the model has MTP heads, else none)")
+    p.add_argument("--heads", default=None, help="MTP heads file from `specdec train-mtp` (default: the model's own "
+                                                 "MTP modules, or heads shipped with specdec for it)")
+    p.add_argument("--tree", nargs="?", const="2,2", default=None, help="MTP tree drafts: top-k branching per depth, "
+                                                                      "e.g. 3,2,1 (--tree alone: 2,2)")
     p.add_argument("--draft-max", default="auto", help="most tokens per draft, or auto: choose each step's draft "
                                                        "length (0..8) from measured acceptance and costs (default)")
     p.add_argument("--draft-min", type=int, default=0, help="drafts shorter than this are not verified (default 0)")
@@ -80,7 +84,45 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="runs per prompt and mode; the median is reported")
     b.add_argument("--peer", action="append", default=[], help="also run a peer engine: hf")
     b.add_argument("--json", default=None, help="write every number to this JSON file")
+    b.add_argument("--png", default=None, help="bar chart of tok/s per mode and category, and acceptance per "
+                                               "draft position, to this PNG")
     b.add_argument("--no-chat", action="store_true", help="use prompts as raw text instead of the chat template")
+
+    r = sub.add_parser("roofline", help="measure this machine's bandwidth and FLOP/s and the model's forward cost "
+                                        "over T tokens; predict the speedup of each draft length")
+    _common(r)
+    r.add_argument("-md", "--model-draft", default=None, help="also measure this draft model's cost per drafted "
+                                                               "token (default: n-gram drafting, cost 0)")
+    r.add_argument("--context", type=int, default=256, help="tokens already in the KV cache (default 256)")
+    r.add_argument("--alpha", default="0.7", help="acceptance rate(s) for the predictions, e.g. 0.5,0.7,0.9 "
+                                                   "(default 0.7)")
+    r.add_argument("--png", default=None, help="write the roofline and predicted-speedup figure to this PNG")
+    r.add_argument("--json", default=None, help="write every number to this JSON file")
+    r.add_argument("--quick", action="store_true", help="small arrays, few T values and repeats (a smoke test)")
+
+    t = sub.add_parser("train-mtp", help="train MTP heads for a model by self-distillation")
+    _common(t)
+    t.add_argument("-o", "--output", required=True, help="heads file to write (.safetensors)")
+    t.add_argument("--kind", default="sequential", help="sequential (DeepSeek-V3-style modules) or parallel (Medusa "
+                                                        "heads); default sequential")
+    t.add_argument("--depth", type=int, default=1, help="modules / heads to train (default 1)")
+    t.add_argument("--prompts", default=None, help="training prompts JSONL (self-instruct seed tasks or "
+                                                   "{\"prompt\": ...}); default ../shared/data/"
+                                                   "train_prompts_seed_tasks.jsonl")
+    t.add_argument("--samples", type=int, default=2, help="answers the model writes per prompt (default 2)")
+    t.add_argument("--max-new", type=int, default=160, help="tokens per answer (default 160)")
+    t.add_argument("--temp", type=float, default=0.8, help="sampling temperature of the answers (default 0.8)")
+    t.add_argument("--epochs", type=int, default=4, help="passes over the data (default 4)")
+    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    t.add_argument("--vocab", type=int, default=8192, help="draft vocabulary size, 0 = full (default 8192)")
+    t.add_argument("--ffn", type=int, default=0, help="FFN width of a sequential module (default: the model's)")
+    t.add_argument("--feature-weight", type=float, default=1.0, help="weight of the feature-regression loss "
+                                                                    "(EAGLE); 0 = distillation only (default 1)")
+    t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    t.add_argument("--noise", type=float, default=0.0, help="std of noise on input hidden states (default 0)")
+    t.add_argument("--limit", type=int, default=0, help="use only the first N prompts (default all)")
+    t.add_argument("-s", "--seed", type=int, default=0, help="seed (default 0)")
+    t.add_argument("--work", default=None, help="work directory for resumable stages (default OUTPUT.work)")
     return parser
 
 
@@ -98,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
             from .bench.run import cmd_bench
 
             return cmd_bench(args)
+        if args.command == "train-mtp":
+            return cmd_train_mtp(args)
+        if args.command == "roofline":
+            from .bench.roofline import cmd_roofline
+
+            return cmd_roofline(args)
         raise AssertionError(args.command)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
@@ -145,15 +193,39 @@ def load_model(args, which: str = "model"):
         close()
 
 
-def spec_kind(args) -> str:
-    kind = args.spec or ("draft" if args.model_draft else "none")
+def spec_kind(args, target=None) -> tuple[str, object]:
+    """(--spec kind, resolved MTP drafter or None). Without --spec: draft with -md, else mtp when the model has MTP
+    modules or shipped heads, else none."""
+    from .spec import resolve_mtp
+
+    mtp = None
+    kind = args.spec
+    if kind is None:
+        kind = "draft" if args.model_draft else "none"
+        if kind == "none" and target is not None:
+            mtp = resolve_mtp(target, args.heads)
+            kind = "mtp" if mtp else "none"
+    elif kind == "mtp" and target is not None:
+        mtp = resolve_mtp(target, args.heads)
     if kind == "draft" and not args.model_draft:
         raise ValueError("--spec draft needs a draft model: give -md DRAFT")
     if args.draft_min < 0:
         raise ValueError("--draft-min must be >= 0")
     for v in str(args.draft_max).split(","):
         draft_length(v, 0)  # validates
-    return kind
+    return kind, mtp
+
+
+def parse_tree(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        shape = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise ValueError(f"--tree takes branching factors per depth like 3,2,1, not '{value}'") from None
+    if not shape or min(shape) < 1:
+        raise ValueError("--tree branching factors must be >= 1")
+    return shape
 
 
 def draft_length(value: str, draft_min: int):
@@ -211,12 +283,14 @@ def cmd_generate(args) -> int:
     params.validate()
     if args.n_predict <= 0:
         raise ValueError("-n must be > 0")
-    kind = spec_kind(args)
+    spec_kind(args)  # flags are checked before the (slow) load
     target = load_model(args)
+    kind, mtp = spec_kind(args, target)
     draft = load_model(args, "model_draft") if kind == "draft" else None
     from .spec import build_proposer
 
-    proposer = build_proposer(kind, target, params, draft, args.draft_p_min, args.ngram_min, args.ngram_max)
+    proposer = build_proposer(kind, target, params, draft, args.draft_p_min, args.ngram_min, args.ngram_max, mtp,
+                              parse_tree(args.tree))
     ids = prompt_tokens(target.tokenizer, text, args.chat, args.system)
 
     def on_text(piece: str) -> None:
@@ -234,12 +308,47 @@ def cmd_generate(args) -> int:
           f"{s.prefill_tok_s:.1f} tok/s | generated {s.generated_tokens} tokens, {s.decode_tok_s:.1f} tok/s | "
           f"finish: {result.finish_reason}", file=sys.stderr)
     if proposer is not None:
-        print(format_spec_stats(s, kind), file=sys.stderr)
+        print(format_spec_stats(s, kind if kind != "mtp" else f"mtp, {mtp[0]} heads: {mtp[3]}"), file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
                        "load_s": target.load_seconds, "stats": s.to_dict()}, f, indent=1)
     return 0
+
+
+def cmd_train_mtp(args) -> int:
+    from pathlib import Path
+
+    from .train.mtp import TrainConfig, train_mtp
+
+    prompts = args.prompts or "../shared/data/train_prompts_seed_tasks.jsonl"
+    if not Path(prompts).exists():
+        raise ValueError(f"training prompts not found: {prompts} (give --prompts FILE)")
+    if args.kind not in ("sequential", "parallel"):
+        raise ValueError("--kind must be sequential or parallel")
+    if args.depth < 1:
+        raise ValueError("--depth must be >= 1")
+    cfg = TrainConfig(kind=args.kind, depth=args.depth, samples=args.samples, max_new=args.max_new,
+                      temperature=args.temp, epochs=args.epochs, lr=args.lr, seed=args.seed, vocab=args.vocab,
+                      ffn_dim=args.ffn, prompts=prompts, limit=args.limit, feature_weight=args.feature_weight,
+                      weight_decay=args.weight_decay, noise=args.noise)
+    torch_seed(args.seed)
+    target = load_model(args)
+    summary = train_mtp(target, args.output, cfg, args.work)
+    last = summary["log"][-1] if summary["log"] else {}
+    print(f"wrote {args.output}: {summary['kind']} x{summary['depth']}, {summary['tokens']} training tokens, "
+          f"draft vocabulary {summary['draft_vocab']}, top-1 agreement {last.get('top1')}, "
+          f"{summary['total_s']:.0f} s", file=sys.stderr)
+    return 0
+
+
+def torch_seed(seed: int) -> None:
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
 
 
 if __name__ == "__main__":

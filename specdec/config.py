@@ -14,10 +14,11 @@ FAMILIES = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "mimo": "llama",  # XiaomiMiMo: a qwen2 trunk (q/k/v bias) plus MTP layers
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
 }
-SUPPORTED = "llama (incl. Llama-3.x rope scaling, SmolLM2), mistral, qwen2, qwen3, gemma3"
+SUPPORTED = "llama (incl. Llama-3.x rope scaling, SmolLM2), mistral, qwen2, qwen3, mimo, gemma3"
 
 
 class ModelError(Exception):
@@ -28,7 +29,7 @@ class ModelError(Exception):
 class ModelArgs:
     """Shapes and switches of a decoder-only transformer (Llama family or Gemma 3)."""
 
-    arch: str  # as the file names it: llama, mistral, qwen2, qwen3, gemma3
+    arch: str  # as the file names it: llama, mistral, qwen2, qwen3, mimo, gemma3
     vocab_size: int
     dim: int
     n_layers: int
@@ -53,7 +54,10 @@ class ModelArgs:
     activation: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     sandwich_norms: bool = False  # Gemma: extra norm after attention and after the FFN
     final_logit_softcap: float | None = None
-    n_mtp_layers: int = 0  # native multi-token-prediction modules shipped in the file
+    n_mtp_layers: int = 0  # native multi-token-prediction modules shipped in the file (not counted in n_layers)
+    # how the file lays them out: "deepseek" (DeepSeek-V3 / GLM-4.5 / llama.cpp nextn: module 1 reads the trunk's
+    # hidden state after its final norm) or "mimo" (XiaomiMiMo: before it); None = no MTP modules. See models/mtp.py
+    mtp_layout: str | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in FAMILIES:

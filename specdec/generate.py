@@ -21,7 +21,8 @@ from .sampling import SamplingParams, make_generator, next_token
 from .spec.autok import AutoDraftLength, FixedDraftLength
 from .spec.base import Draft, Proposer
 from .spec.stats import Stats
-from .spec.verify import verify_chain
+from .spec.tree import depths
+from .spec.verify import verify_chain, verify_tree
 from .tokenizer import StreamDecoder, Tokenizer
 
 PREFILL_CHUNK = 512
@@ -107,7 +108,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
     draft_length = draft_length or FixedDraftLength(0)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        logits, _ = prefill(model, prompt, cache)
+        logits, prompt_hidden = prefill(model, prompt, cache)
         token = next_token(logits, params, gen)
         stats.prefill_s = time.perf_counter() - t0
         out = [token]
@@ -116,7 +117,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
             finish = "stop"
         if proposer is not None and finish is None:
             t = time.perf_counter()
-            proposer.begin(list(prompt) + out)
+            proposer.begin(list(prompt) + out, prompt_hidden)
             stats.draft_s += time.perf_counter() - t
         t_decode = time.perf_counter()
         while finish is None:
@@ -137,13 +138,26 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
                     draft = Draft()
             t = time.perf_counter()
             ids = torch.tensor([[token] + draft.tokens], device=model.device)
-            logits, hidden = model(ids, torch.arange(n, n + 1 + len(draft), device=model.device), cache, exact=True)
-            n_acc, token = verify_chain(logits[0], draft, params, gen)
-            cache.rollback(n + 1 + n_acc)
+            if draft.parents is None:  # a chain
+                logits, hidden = model(ids, torch.arange(n, n + 1 + len(draft), device=model.device), cache,
+                                       exact=True)
+                n_acc, token = verify_chain(logits[0], draft, params, gen)
+                path = list(range(n_acc))
+                cache.rollback(n + 1 + n_acc)
+                depth = len(draft)
+            else:  # a tree: rows at depth-based positions, then keep the accepted path's slots
+                d = depths(draft.parents)
+                pos = torch.tensor([n] + [n + x for x in d], device=model.device)
+                logits, hidden = model(ids, pos, cache, parents=draft.parents, exact=True)
+                path, token = verify_tree(logits[0], draft, params, gen)
+                n_acc = len(path)
+                cache.keep(n, [n] + [n + 1 + i for i in path])
+                depth = max(d)
             elapsed = time.perf_counter() - t
             stats.verify_s += elapsed
-            draft_length.update(len(draft), n_acc, elapsed, draft_s)
-            new = draft.tokens[:n_acc] + [token]
+            draft_length.update(depth, n_acc, elapsed, draft_s)
+            accepted_rows = [0] + [1 + i for i in path]
+            new = [draft.tokens[i] for i in path] + [token]
             emitted = 0
             for tok in new:  # EOS / -n inside the accepted tokens end generation right there
                 out.append(tok)
@@ -151,12 +165,12 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
                 finish = _finish(tok, out, eog, max_tokens)
                 if finish:
                     break
-            stats.record(len(draft), n_acc, emitted)
+            stats.record(len(draft), n_acc, emitted, depth)
             if stream.push([t for t in new[:emitted] if t not in eog]):
                 finish = "stop"
             if proposer is not None and finish is None:
                 t = time.perf_counter()
-                proposer.accept(n_acc, token, hidden[0, :n_acc + 1])
+                proposer.accept(new[:-1], token, hidden[0, accepted_rows])
                 stats.draft_s += time.perf_counter() - t
         stats.decode_s = time.perf_counter() - t_decode
     stream.finish()

@@ -104,6 +104,7 @@ class Loaded:
     file_type: str
     load_seconds: float
     source_bytes: int  # bytes of weights in the file
+    mtp: list | None = None  # the file's own MTP modules (models/mtp.MTPModule), depth 1 first
 
 
 def load(model: str | Path | None = None, *, dtype: str = "auto", quant: str = "auto", device: str = "auto",
@@ -116,4 +117,8 @@ def load(model: str | Path | None = None, *, dtype: str = "auto", quant: str = "
     torch_dtype, q = resolve_precision(dtype, quant, lm, dev)
     tok = load_tokenizer(path)
     net = Transformer(lm.args, lm.weights, torch_dtype, q, max_len=ctx, device=dev, progress=progress)
-    return Loaded(net, tok, path, lm.file_type, time.perf_counter() - t0, sum(lm.weights.source_bytes.values()))
+    from .models.mtp import load_mtp_modules
+
+    mtp = load_mtp_modules(net, lm.weights, lm.args, torch_dtype, q)
+    return Loaded(net, tok, path, lm.file_type, time.perf_counter() - t0, sum(lm.weights.source_bytes.values()),
+                  mtp or None)

@@ -71,3 +71,26 @@ def hf_smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+def chat(tok, text: str) -> list[int]:
+    """Token ids of a one-turn chat prompt."""
+    return tok.encode_chat([{"role": "user", "content": text}])
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(smollm2_default):
+    """plain_greedy(prompt, n) -> the default model's plain greedy output (ignoring EOS), computed once per prompt."""
+    from specdec.generate import generate
+    from specdec.sampling import SamplingParams
+
+    done: dict[tuple[str, int], list[int]] = {}
+
+    def get(prompt: str, n: int) -> list[int]:
+        if (prompt, n) not in done:
+            tok = smollm2_default.tokenizer
+            done[(prompt, n)] = generate(smollm2_default.model, tok, chat(tok, prompt), SamplingParams(),
+                                         max_tokens=n, ignore_eos=True).tokens
+        return done[(prompt, n)]
+
+    return get

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CHAT_PROMPTS
+from conftest import chat as chat_ids
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -17,10 +18,6 @@ from specdec.generate import generate, prefill
 from specdec.sampling import SamplingParams, make_generator, probs_from_logits, sample
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def chat_ids(tok, text):
-    return tok.encode_chat([{"role": "user", "content": text}])
 
 
 @pytest.mark.parametrize("prompt", CHAT_PROMPTS)

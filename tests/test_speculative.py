@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CHAT_PROMPTS
+from conftest import CHAT_PROMPTS, chat
 from tiny_models import write_gguf
 
 from specdec.config import ModelError
@@ -32,13 +32,13 @@ class RandomProposer:
         self.g = torch.Generator().manual_seed(seed)
         self.vocab = vocab
 
-    def begin(self, context):
+    def begin(self, context, hidden=None):
         pass
 
     def propose(self, k):
         return Draft(torch.randint(0, self.vocab, (k,), generator=self.g).tolist())
 
-    def accept(self, n_accepted, next_token, hidden=None):
+    def accept(self, accepted, next_token, hidden=None):
         pass
 
 
@@ -51,18 +51,14 @@ class OracleProposer:
         self.cont, self.junk = continuation, junk
         self.pos = 0
 
-    def begin(self, context):
+    def begin(self, context, hidden=None):
         self.pos = 1  # the first generated token came from the prefill
 
     def propose(self, k):
         return Draft((self.cont[self.pos:self.pos + k] + [self.junk] * k)[:k])
 
-    def accept(self, n_accepted, next_token, hidden=None):
-        self.pos += n_accepted + 1
-
-
-def chat(tok, text):
-    return tok.encode_chat([{"role": "user", "content": text}])
+    def accept(self, accepted, next_token, hidden=None):
+        self.pos += len(accepted) + 1
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +67,8 @@ def target(smollm2_default):
 
 
 @pytest.fixture(scope="module")
-def plain(target):
-    return {p: generate(target.model, target.tokenizer, chat(target.tokenizer, p), GREEDY, max_tokens=N,
-                        ignore_eos=True).tokens for p in PROMPTS}
+def plain(plain_greedy):
+    return {p: plain_greedy(p, N) for p in PROMPTS}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +97,16 @@ def test_greedy_identity(target, plain, tiny_draft, kind, k):
         assert r.tokens == plain[p], f"{kind} k={k} differs on {p!r}"
         if kind in ("self", "random"):
             assert r.stats.drafted > 0
+
+
+@pytest.mark.parametrize("kind", ["tiny", "ngram", "random"])
+def test_greedy_identity_with_auto_draft_length(target, plain, tiny_draft, kind):
+    from specdec.spec.autok import AutoDraftLength
+
+    for p in PROMPTS:
+        r = generate(target.model, target.tokenizer, chat(target.tokenizer, p), GREEDY, max_tokens=N,
+                     ignore_eos=True, proposer=make(kind, target, tiny_draft), draft_length=AutoDraftLength())
+        assert r.tokens == plain[p], f"{kind} auto differs on {p!r}"
 
 
 def test_self_draft_accepts_everything(target):
@@ -168,7 +173,7 @@ def test_ngram_proposer_lookup():
     p = NgramProposer(1, 3)
     p.begin([1, 2, 3, 4, 5, 9, 2, 3])
     assert p.propose(3).tokens == [4, 5, 9]  # "2 3" was last followed by 4 5 9
-    p.accept(1, 7)  # 4 accepted, then 7
+    p.accept([4], 7)  # 4 accepted, then 7
     assert p.tokens[-2:] == [4, 7]
     assert p.propose(2).tokens == []  # "4 7", "7" never seen before
     p.begin([5, 6, 5, 6, 5])

@@ -104,21 +104,33 @@ class HFPeer:
         return max(tn - t1, 1e-9), out[0, len(ids):].tolist()
 
 
+# bench mode -> (kind of MTP heads, tree drafts?)
+MTP_MODES = {"mtp": ("sequential", False), "mtp-tree": ("sequential", True), "medusa": ("parallel", False),
+             "medusa-tree": ("parallel", True)}
+
+
 def plain_mode() -> Mode:
     return Mode("plain", "target", lambda: (None, None))
 
 
 def cmd_bench(args) -> int:
     from ..cli import load_model
+    from ..spec import resolve_mtp
 
-    default = "plain,ngram" + (",draft" if args.model_draft else "")
-    modes_wanted = [m.strip() for m in (args.mode or default).split(",") if m.strip()]
     prompts = load_prompts(args.prompts, args.category, args.limit)
     if not prompts:
         raise ValueError("no prompts to run")
     if args.n_predict <= 1:
         raise ValueError("-n must be > 1")
     target = load_model(args)
+    if args.mode:
+        modes_wanted = [m.strip() for m in args.mode.split(",") if m.strip()]
+    else:  # every mode that applies to this model
+        modes_wanted = ["plain", "ngram"] + (["draft"] if args.model_draft else [])
+        if resolve_mtp(target, args.heads, "sequential"):
+            modes_wanted += ["mtp", "mtp-tree"]
+        if resolve_mtp(target, None, "parallel"):
+            modes_wanted += ["medusa", "medusa-tree"]
     modes = build_modes(modes_wanted, target, args)
     peers = []
     for peer in args.peer:
@@ -133,6 +145,11 @@ def cmd_bench(args) -> int:
                           "limit": args.limit, "chat": not args.no_chat, "modes": modes_wanted, "peers": args.peer,
                           "load_s": target.load_seconds}
     print_report(report)
+    if args.png:
+        from .plots import plot_bench
+
+        plot_bench(report, args.png)
+        print(f"wrote {args.png}", file=sys.stderr)
     if args.json:
         from pathlib import Path
 
@@ -144,8 +161,8 @@ def cmd_bench(args) -> int:
 
 def build_modes(names: list[str], target, args) -> list[Mode]:
     """One Mode per (speculation kind, --draft-max value): `--draft-max auto,2,4,8` gives four rows per kind."""
-    from ..cli import draft_length, load_model
-    from ..spec import build_proposer
+    from ..cli import draft_length, load_model, parse_tree
+    from ..spec import build_proposer, resolve_mtp
 
     ks = [v.strip() for v in str(args.draft_max).split(",") if v.strip()]
     modes = []
@@ -154,23 +171,32 @@ def build_modes(names: list[str], target, args) -> list[Mode]:
         if name == "plain":
             modes.append(plain_mode())
             continue
+        kind, mtp, tree, models, draft_bytes = name, None, None, "target", 0
         if name == "draft":
             if not args.model_draft:
                 raise ValueError("mode draft needs a draft model: give -md DRAFT")
             draft = draft or load_model(args, "model_draft")
             build_proposer("draft", target, GREEDY, draft)  # refuses a mismatched vocabulary before any run
+            models, draft_bytes = "target + draft", draft.model.weight_bytes
+        elif name in MTP_MODES:
+            kind = "mtp"
+            heads_kind, tree_mode = MTP_MODES[name]
+            mtp = resolve_mtp(target, args.heads if heads_kind == "sequential" else None, heads_kind)
+            if mtp is None:
+                raise ValueError(f"mode {name} needs {heads_kind} MTP heads for this model (specdec train-mtp)")
+            tree = parse_tree(args.tree or "2,1") if tree_mode else None
+            models = f"target + {mtp[0]} heads"
         elif name != "ngram":
-            raise ValueError(f"unknown mode '{name}': use plain, ngram, draft")
+            raise ValueError(f"unknown mode '{name}': use plain, ngram, draft, {', '.join(MTP_MODES)}")
         for k in ks:
             label = f"{name} (K {k})" if len(ks) > 1 or k != "auto" else name
 
-            def make(name=name, k=k, draft=draft):
-                proposer = build_proposer(name, target, GREEDY, draft, args.draft_p_min, args.ngram_min,
-                                          args.ngram_max)
+            def make(kind=kind, k=k, draft=draft, mtp=mtp, tree=tree):
+                proposer = build_proposer(kind, target, GREEDY, draft, args.draft_p_min, args.ngram_min,
+                                          args.ngram_max, mtp, tree)
                 return proposer, draft_length(k, args.draft_min)
 
-            modes.append(Mode(label, "target + draft" if name == "draft" else "target", make,
-                              draft_bytes=draft.model.weight_bytes if name == "draft" else 0))
+            modes.append(Mode(label, models, make, draft_bytes=draft_bytes))
     if "plain" not in names:
         modes.insert(0, plain_mode())  # every speedup is measured against plain decoding in the same run
     return modes

@@ -5,7 +5,7 @@ Gemma 3 differs from Llama in switches, not in kind, so it shares this forward: 
 "sandwich" norms (after attention and after the FFN too), GeGLU instead of SwiGLU, q/k RMSNorm, and sliding-window
 layers with their own RoPE base. Every such switch is a ModelArgs field.
 
-The model knows nothing about speculation: ``forward(tokens, positions, cache, tree_mask) -> (logits, hidden)``.
+The model knows nothing about speculation: ``model(tokens, positions, cache, parents) -> (logits, hidden)``.
 Projections are fused (q|k|v in one matrix, gate|up in another) so a decode step runs 4 matmuls per layer.
 """
 
@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from ..cache import KVCache
 from ..config import ModelArgs, ModelError
 from ..quant import make_linear
+from ..spec.tree import paths as tree_paths
+from ..spec.tree import tree_mask
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -79,6 +81,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return F.layer_norm(torch.stack([x, x.neg()], dim=-2), (2, x.shape[-1]), weight, None, eps)[..., 0, :]
 
 
+class AttentionPlan:
+    """How a forward's T new queries attend, decided once per forward and shared by every layer.
+
+    - "single": T = 1, the query attends every cached slot (the plain decode step);
+    - "rows": an exact chain: each query attends alone over its own prefix, the very call a decode step makes;
+    - "paths": an exact tree: each node attends alone over the prompt and its root-to-node path, laid out in
+      consecutive slots as they will be once the path is accepted;
+    - "masked": all queries in one kernel call with a [T, L] mask (prefill, non-exact trees). Faster, but
+      attention kernels are not batch-invariant, so results differ from decode steps in the last bits.
+    """
+
+    def __init__(self, kind: str, full: torch.Tensor | None = None, sliding: torch.Tensor | None = None,
+                 paths: list[torch.Tensor] | None = None):
+        self.kind, self.full, self.sliding, self.paths = kind, full, sliding, paths
+
+
 class Block:
     """One transformer layer: pre-norm attention (GQA, RoPE, optional q/k norm) and gated FFN, residuals around.
 
@@ -123,16 +141,13 @@ class Block:
         return linears + [t for t in norms if t is not None]
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
-                 k_all: torch.Tensor, v_all: torch.Tensor, start: int, mask: torch.Tensor | None,
-                 window: int | None, rows: bool = False) -> torch.Tensor:
+                 k_all: torch.Tensor, v_all: torch.Tensor, start: int, plan: AttentionPlan,
+                 window: int | None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim].
 
         rope: cos, sin [1, T, H + 2 Hkv, D]; kv [B, S, 2 Hkv, D] this layer's cache, written at slots
-        [start, start+T); k_all / v_all [B, Hkv, S, D] views of it. Attention is one of:
-        - mask [T, L] bool (True = attend): all T queries in one kernel call (prefill, trees);
-        - rows: each query alone over its causal prefix, exactly the call a T = 1 decode step makes;
-        - T = 1 (mask None): the query attends every slot < L.
-        window: for sliding layers in the last two modes, attend only the last `window` slots."""
+        [start, start+T); k_all / v_all [B, Hkv, S, D] views of it; plan: how the T queries attend (see
+        AttentionPlan); window: sliding-window size of this layer, or None."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         L = start + T
@@ -141,13 +156,26 @@ class Block:
             qk = rms_norm(qkv[:, :, :H + Hkv], None, self.eps) * self.qk_norm
             qkv = torch.cat([qk, qkv[:, :, H + Hkv:]], dim=2)
         qkv = apply_rope(qkv, *rope)
-        kv[:, start:L] = qkv[:, :, H:]
+        new_kv = qkv[:, :, H:]  # [B, T, 2 Hkv, D]
+        kv[:, start:L] = new_kv
         q = qkv[:, :, :H].transpose(1, 2)  # [B, H, T, D]
-        if rows:
+        if plan.kind == "masked":
+            mask = plan.sliding if window else plan.full
+            o = self.attend(q, k_all, v_all, L, mask, None)  # [B, H, T, D]
+        elif plan.kind == "rows":
             o = torch.cat([self.attend(q[:, :, i:i + 1], k_all, v_all, start + i + 1, None, window)
                            for i in range(T)], dim=2)
-        else:
-            o = self.attend(q, k_all, v_all, L, mask, window)  # [B, H, T, D]
+        elif plan.kind == "paths":
+            outs = []
+            for i, path in enumerate(plan.paths):
+                # lay this node's root-to-node path into consecutive slots: exactly the cache a decode step of
+                # this token would see after the path had been accepted
+                kv[:, start:start + len(path)] = new_kv[:, path]
+                outs.append(self.attend(q[:, :, i:i + 1], k_all, v_all, start + len(path), None, window))
+            kv[:, start:L] = new_kv  # node order again, for cache.keep() after verification
+            o = torch.cat(outs, dim=2)
+        else:  # a single new token sees every earlier slot
+            o = self.attend(q, k_all, v_all, L, None, window)
         o = self.wo(o.transpose(1, 2).reshape(B, T, H * D))
         x = x + (rms_norm(o, self.post_attention_norm, self.eps) if self.sandwich else o)
         gate, up = self.w13(rms_norm(x, self.ffn_norm, self.eps)).split(self.ffn_dim, dim=-1)
@@ -195,9 +223,9 @@ class Transformer:
             self.rope_local = Rope(rope_inv_freq(args.head_dim, args.rope_local_theta, None), self.max_len, dtype, dev)
         self.embed_scale = torch.tensor(args.embed_scale, dtype=dtype, device=dev)
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
+    def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
         a = self.args
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len or self.max_len, self.dtype, self.device)
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len or self.max_len, self.dtype, self.device, batch)
 
     @property
     def weight_bytes(self) -> int:
@@ -206,31 +234,38 @@ class Transformer:
         tensors = [t for layer in self.layers for t in layer.tensors()] + self.output.tensors() + [self.output_norm]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def _masks(self, positions: torch.Tensor, cache: KVCache, start: int, T: int, tree_mask: torch.Tensor | None):
-        """Attention masks [T, L] (True = attend) for full and sliding layers, shared by every layer."""
-        L = start + T
+    def _plan(self, positions: torch.Tensor, cache: KVCache, start: int, T: int, parents: list[int] | None,
+              exact: bool) -> AttentionPlan:
+        if T == 1:
+            return AttentionPlan("single")
+        if exact and parents is None:
+            return AttentionPlan("rows")
+        if exact:
+            rows = [[0]] + tree_paths(parents)  # the root, then every node
+            return AttentionPlan("paths", paths=[torch.tensor(p, device=self.device) for p in rows])
+        dev = self.device
+        new = tree_mask(parents, dev) if parents is not None else torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        full = torch.cat([torch.ones(T, start, dtype=torch.bool, device=dev), new], dim=1)  # [T, L]
         window = self.args.sliding_window
-        if T == 1:  # a single new token sees every earlier slot; sliding layers just slice the last `window`
-            return None, None
-        new = tree_mask if tree_mask is not None else torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-        full = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device), new], dim=1)  # [T, L]
-        if window is None or L <= window:
-            return full, full
-        sliding = full & ((positions[:, None] - cache.pos[None, :L]) < window)
-        return full, sliding
+        if window is None or start + T <= window:
+            return AttentionPlan("masked", full, full)
+        sliding = full & ((positions[:, None] - cache.pos[None, :start + T]) < window)
+        return AttentionPlan("masked", full, sliding)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                 tree_mask: torch.Tensor | None = None, last_only: bool = False,
+                 parents: list[int] | None = None, last_only: bool = False,
                  exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [1, T], positions [T] -> (logits [1, T or 1, V] float32, hidden [1, T, dim] after the final norm).
+        """tokens [1, T], positions [T] -> (logits [1, T or 1, V] float32, hidden [1, T, dim] after the final norm;
+        before it for args.mtp_layout "mimo").
 
         Writes the T new keys/values at cache slots [cache.length, cache.length + T) and advances cache.length.
-        tree_mask [T, T] bool says which new tokens each new token may see (default: causal, i.e. a chain).
+        parents: a token tree (spec/tree.py): row 0 is the root, row i + 1 is node i with parent row
+        parents[i] + 1; positions must then be the rows' depths after the root's position. None = a chain.
 
-        exact: compute each of a chain's T positions exactly as T single-token decode steps would (bitwise), so that
-        verifying a draft can never disagree with plain decoding. The matmul kernels of the bf16 / int8 / int4 paths
-        are batch-invariant (row i of a [T, K] x [K, N] product does not depend on T); attention kernels are not, so
-        each query attends alone over its own prefix, as in a decode step."""
+        exact: compute every row exactly as a single-token decode step would compute that token after its
+        predecessors (bitwise), so verifying a draft can never disagree with plain decoding. The matmul kernels of
+        the bf16 / int8 / int4 paths are batch-invariant (row i of a [T, K] x [K, N] product does not depend on T);
+        attention kernels are not, so each query attends alone (AttentionPlan "rows" / "paths")."""
         T = tokens.shape[1]
         start = cache.reserve(T)
         L = start + T
@@ -238,23 +273,23 @@ class Transformer:
         x = F.embedding(tokens, self.embed).to(self.dtype)
         if self.args.embed_scale != 1.0:
             x = x * self.embed_scale
-        rows = exact and tree_mask is None and T > 1
-        full, sliding = (None, None) if rows else self._masks(positions, cache, start, T, tree_mask)
+        plan = self._plan(positions, cache, start, T, parents, exact)
         a = self.args
         rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
         rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(
             positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
-        window = a.sliding_window if T == 1 or rows else None
         for i, layer in enumerate(self.layers):
             kv, k_all, v_all = cache.kv[i], cache.k_all[i], cache.v_all[i]
             if layer.sliding:
-                x = layer(x, rope_local, kv, k_all, v_all, start, sliding, window, rows)
+                x = layer(x, rope_local, kv, k_all, v_all, start, plan, a.sliding_window)
             else:
-                x = layer(x, rope, kv, k_all, v_all, start, full, None, rows)
+                x = layer(x, rope, kv, k_all, v_all, start, plan, None)
         cache.length = L
         h = rms_norm(x, self.output_norm, a.norm_eps)
         logits = self.output(h[:, -1:] if last_only else h).float()
         if self.args.final_logit_softcap:
             cap = self.args.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
-        return logits, h
+        # the hidden state MTP modules read: after the final norm, except MiMo's, which reads the residual stream
+        # before it (see models/mtp.py)
+        return logits, (x if a.mtp_layout == "mimo" else h)

@@ -6,14 +6,34 @@ from ..config import ModelError
 from ..sampling import SamplingParams, make_generator
 from .base import Draft, Proposer
 
-SPEC_KINDS = ("none", "draft", "ngram")
+SPEC_KINDS = ("none", "draft", "ngram", "mtp")
+
+
+def resolve_mtp(target, heads: str | None = None, kind: str | None = None):
+    """(kind, drafter, vocab_map, source) of the MTP drafter for `target`: a heads file if given, else the model's
+    own MTP modules, else heads shipped with specdec for exactly these weights (of `kind` sequential / parallel
+    when given); None when there is nothing."""
+    from ..train.heads_file import find_heads, load_heads
+
+    if heads:
+        kind, drafter, vocab_map = load_heads(heads, target)
+        return kind, drafter, vocab_map, str(heads)
+    if getattr(target, "mtp", None) and kind in (None, "sequential"):
+        return "sequential", target.mtp, None, "native"
+    path = find_heads(target, kind)
+    if path is not None:
+        kind, drafter, vocab_map = load_heads(path, target)
+        return kind, drafter, vocab_map, f"shipped {path.name}"
+    return None
 
 
 def build_proposer(kind: str, target, params: SamplingParams, draft=None, p_min: float = 0.0, ngram_min: int = 2,
-                   ngram_max: int = 4) -> Proposer | None:
-    """The proposer for --spec KIND. `target` / `draft` are loader.Loaded models (draft only for kind "draft")."""
+                   ngram_max: int = 4, mtp=None, tree: list[int] | None = None) -> Proposer | None:
+    """The proposer for --spec KIND. `target` / `draft` are loader.Loaded models (draft only for kind "draft");
+    mtp: resolve_mtp()'s result (for kind "mtp"); tree: branching per depth for MTP tree drafts."""
     if kind == "none":
         return None
+    seed = None if params.seed is None else params.seed + 1
     if kind == "ngram":
         from .ngram import NgramProposer
 
@@ -24,10 +44,20 @@ def build_proposer(kind: str, target, params: SamplingParams, draft=None, p_min:
         if draft is None:
             raise ModelError("--spec draft needs a draft model: give -md DRAFT")
         check_vocab(target.tokenizer, draft.tokenizer)
-        seed = None if params.seed is None else params.seed + 1
         gen = make_generator(seed, draft.model.device) if not params.greedy else None
         return DraftModelProposer(draft.model, params, target.model.args.vocab_size, p_min, gen)
+    if kind == "mtp":
+        from .mtp import ParallelMTP, SequentialMTP
+
+        mtp = mtp or resolve_mtp(target)
+        if mtp is None:
+            raise ModelError("this model has no MTP modules and specdec ships no heads for it: train some with "
+                             "`specdec train-mtp -m MODEL -o heads.safetensors` and pass --heads")
+        heads_kind, drafter, vocab_map = mtp[:3]
+        gen = make_generator(seed, target.model.device) if not params.greedy else None
+        cls = SequentialMTP if heads_kind == "sequential" else ParallelMTP
+        return cls(drafter, params, target.model.args.vocab_size, tree, gen, vocab_map)
     raise ModelError(f"unknown --spec '{kind}': use {', '.join(SPEC_KINDS)}")
 
 
-__all__ = ["Draft", "Proposer", "SPEC_KINDS", "build_proposer"]
+__all__ = ["Draft", "Proposer", "SPEC_KINDS", "build_proposer", "resolve_mtp"]

@@ -31,37 +31,57 @@ class AutoDraftLength:
     def __init__(self, k_max: int = 8, draft_min: int = 0, prior_acceptance: float = 0.5, decay: float = 0.95,
                  probe_every: int = 16):
         self.draft_max, self.draft_min = k_max, draft_min
-        self.decay, self.probe_every = decay, probe_every
-        # acceptance per position: exponentially weighted counts, one pseudo-observation of the prior each
-        self.acc = [prior_acceptance] * k_max
-        self.seen = [1.0] * k_max
+        self.decay, self.probe_every, self.prior = decay, probe_every, prior_acceptance
+        # acceptance per position: exponentially weighted counts of accepted / reached
+        self.acc = [0.0] * k_max
+        self.seen = [0.0] * k_max
         self.verify_s: dict[int, float] = {}  # T -> EMA seconds of a target forward over T tokens
         self.draft_s_per_token: float | None = None
         self.since_draft = 0
-        self.last_choice = 0
 
     def acceptance(self) -> list[float]:
-        return [a / s for a, s in zip(self.acc, self.seen, strict=True)]
+        """Per-position acceptance estimates; a position never reached yet borrows the one before it (the prior for
+        the first), so a run of full acceptances lets K grow."""
+        out, prev = [], self.prior
+        for a, s in zip(self.acc, self.seen, strict=True):
+            prev = (a + prev) / (s + 1.0) if s > 0 else prev  # one pseudo-observation of the previous estimate
+            out.append(prev)
+        return out
+
+    def forward_s(self, t: int) -> float | None:
+        """Seconds of a target forward over t tokens: measured, else interpolated / extrapolated linearly from the
+        two nearest measured T (with only one measured T, a prior slope of 25% of it per extra token)."""
+        v = self.verify_s
+        if not v:
+            return None
+        if t in v:
+            return v[t]
+        ts = sorted(v)
+        if len(ts) == 1:
+            return v[ts[0]] * (1.0 + 0.25 * (t - ts[0]))
+        lo = max([x for x in ts if x < t], default=None)
+        hi = min([x for x in ts if x > t], default=None)
+        if lo is None:
+            lo, hi = ts[0], ts[1]
+        elif hi is None:
+            lo, hi = ts[-2], ts[-1]
+        slope = (v[hi] - v[lo]) / (hi - lo)
+        return max(v[lo] + slope * (t - lo), 1e-9)
 
     def verify_cost(self, t: int) -> float:
-        """v(T) / v(1), measured where possible; otherwise extrapolated from the nearest measured T with a prior
-        slope of 25% per extra token (MACHINE-FACTS: ~1.2-1.6x for T = 2-4 on a 2-core CPU)."""
-        if not self.verify_s:
+        """v(T) / v(1); before any measurement the prior 1 + 0.25 (T - 1) (MACHINE-FACTS: ~1.2-1.6x for T = 2-4 on a
+        2-core CPU)."""
+        base = self.forward_s(1)
+        if base is None:
             return 1.0 + 0.25 * (t - 1)
-        base = self.verify_s.get(1) or min(self.verify_s.values())
-        if t in self.verify_s:
-            return self.verify_s[t] / base
-        below = [x for x in self.verify_s if x < t]
-        near = max(below) if below else min(self.verify_s)
-        return self.verify_s[near] / base * (1.0 + 0.25 * (t - near))
+        return self.forward_s(t) / base
 
     def choose(self) -> int:
-        base = self.verify_s.get(1)
-        c = (self.draft_s_per_token / base) if (self.draft_s_per_token is not None and base) else 0.0
+        base = self.forward_s(1)
+        c = self.draft_s_per_token / base if (self.draft_s_per_token is not None and base) else 0.0
         k, _ = best_k(self.acceptance(), c, self.verify_cost, self.draft_max)
         if k == 0 and self.since_draft >= self.probe_every:
             k = 1  # probe now and then, or the estimates could never recover
-        self.last_choice = k
         return k
 
     def update(self, k: int, n_accepted: int, verify_s: float, draft_s: float) -> None:

@@ -36,15 +36,17 @@ class Proposer(Protocol):
 
     name: str
 
-    def begin(self, context: list[int]) -> None:
-        """The whole context so far: prompt tokens followed by the first generated token."""
+    def begin(self, context: list[int], hidden: torch.Tensor | None = None) -> None:
+        """The whole context so far: prompt tokens followed by the first generated token; hidden [len - 1, dim]
+        the target's final hidden states at the prompt's positions (for proposers that draft from them)."""
 
     def propose(self, k: int) -> Draft:
         """Up to k tokens that follow the current context."""
 
-    def accept(self, n_accepted: int, next_token: int, hidden: torch.Tensor | None = None) -> None:
-        """The first n_accepted drafted tokens were accepted and `next_token` (recovered or bonus) follows them.
+    def accept(self, accepted: list[int], next_token: int, hidden: torch.Tensor | None = None) -> None:
+        """These drafted tokens were accepted (a prefix of a chain, or one root-to-node path of a tree), and
+        `next_token` (recovered or bonus) follows them.
 
-        hidden: the target's final hidden states [1 + n_accepted, dim] at the positions that produced the accepted
-        tokens and next_token (the last accepted context token, then each accepted draft token), for proposers
+        hidden: the target's final hidden states [1 + len(accepted), dim] at the positions that produced the
+        accepted tokens and next_token (the previous pending token, then each accepted draft token), for proposers
         that draft from the target's hidden state (MTP)."""

@@ -52,7 +52,7 @@ class DraftModelProposer:
         self.last: list[int] = []  # the latest draft, until accept() says how much of it was kept
         self._ctx = 0
 
-    def begin(self, context: list[int]) -> None:
+    def begin(self, context: list[int], hidden=None) -> None:
         from ..generate import prefill
 
         self.cache.rollback(0)
@@ -99,7 +99,8 @@ class DraftModelProposer:
         self.last = tokens
         return Draft(tokens, torch.stack(qs) if qs else None)
 
-    def accept(self, n_accepted: int, next_token: int, hidden=None) -> None:
+    def accept(self, accepted: list[int], next_token: int, hidden=None) -> None:
+        n_accepted = len(accepted)
         m = len(self.last)
         if m == 0:  # nothing was drafted this step
             self.pending.append(next_token)

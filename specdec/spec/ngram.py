@@ -19,10 +19,9 @@ class NgramProposer:
             raise ValueError("n-gram sizes need 1 <= --ngram-min <= --ngram-max")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.tokens: list[int] = []
-        self.last: list[int] = []  # the latest draft, until accept() says how much of it was kept
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> start of what followed its latest occurrence
 
-    def begin(self, context: list[int]) -> None:
+    def begin(self, context: list[int], hidden=None) -> None:
         self.tokens, self.index = [], {}
         self._extend(context)
 
@@ -35,16 +34,13 @@ class NgramProposer:
             self.tokens.append(tok)
 
     def propose(self, k: int) -> Draft:
-        self.last: list[int] = []
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
             if len(self.tokens) < n:
                 continue
             start = self.index.get(tuple(self.tokens[-n:]))
             if start is not None:
-                self.last = self.tokens[start:start + k]
-                break
-        return Draft(list(self.last))
+                return Draft(self.tokens[start:start + k])
+        return Draft()
 
-    def accept(self, n_accepted: int, next_token: int, hidden=None) -> None:
-        self._extend(self.last[:n_accepted] + [next_token])
-        self.last = []
+    def accept(self, accepted: list[int], next_token: int, hidden=None) -> None:
+        self._extend(accepted + [next_token])

@@ -21,8 +21,9 @@ class Stats:
     drafted_at: list[int] = field(default_factory=list)  # drafts that reached position i
     accepted_at: list[int] = field(default_factory=list)  # drafts whose token at position i was accepted
 
-    def record(self, k: int, n_accepted: int, emitted: int) -> None:
-        """One target forward that verified a draft of k tokens, accepted n_accepted and emitted `emitted` tokens."""
+    def record(self, k: int, n_accepted: int, emitted: int, depth: int | None = None) -> None:
+        """One target forward that verified a draft of k tokens (a chain, or a tree of k nodes and `depth` levels),
+        accepted n_accepted and emitted `emitted` tokens."""
         self.forwards += 1
         self.decode_tokens += emitted
         if k == 0:
@@ -30,10 +31,11 @@ class Stats:
         self.drafts += 1
         self.drafted += k
         self.accepted += n_accepted
-        while len(self.drafted_at) < k:
+        depth = k if depth is None else depth
+        while len(self.drafted_at) < depth:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
-        for i in range(k):
+        for i in range(depth):
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < n_accepted
 

@@ -62,3 +62,15 @@ def verify_chain(logits: torch.Tensor, draft: Draft, params: SamplingParams,
     if params.greedy:
         return verify_greedy(logits, draft)
     return verify_stochastic(probs_from_logits(logits, params), draft, generator)
+
+
+def verify_tree(logits: torch.Tensor, draft: Draft, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], int]:
+    """logits [N+1, V] for [root, nodes...] of a tree draft -> (accepted node indices along one path, next token)."""
+    from .tree import verify_tree_greedy, verify_tree_stochastic
+
+    if params.greedy:
+        return verify_tree_greedy(logits, draft.tokens, draft.parents)
+    if draft.q is not None:
+        raise ValueError("stochastic verification of sampled trees is not supported: draft deterministic trees")
+    return verify_tree_stochastic(probs_from_logits(logits, params), draft.tokens, draft.parents, generator)

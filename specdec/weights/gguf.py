@@ -4,11 +4,18 @@ Metadata keys and tensor names are llama.cpp's (``{arch}.block_count``, ``blk.N.
 made by llama.cpp's convert_hf_to_gguf.py are undone here so the model sees Hugging Face's conventions: the q/k
 rows of arch ``llama`` are permuted for interleaved RoPE (we restore rotate_half order), and the row/column order of
 the GGUF shape (ne0 = columns) is the reverse of PyTorch's, which the reader already gives us.
+
+Multi-token-prediction modules (llama.cpp's "nextn", from GLM-4.5 / DeepSeek-V3 conversions): metadata
+``{arch}.nextn_predict_layers`` = n, and the MTP modules are the LAST n blocks (``block_count`` counts them). Their
+tensors ``blk.{L+i}.nextn.{eh_proj, enorm, hnorm, embed_tokens, shared_head_head, shared_head_norm}`` and
+``blk.{L+i}.{attn_q, ..., ffn_down}`` are exposed as ``mtp.{i}.*`` (L = the trunk's layer count), so the trunk
+never sees them.
 """
 
 from __future__ import annotations
 
 import collections
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +25,7 @@ from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError
 from . import LazyWeights, LoadedModel, unpermute_rotary
 
 GGUF_MAGIC = b"GGUF"
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def _open(path: Path):
@@ -63,6 +71,12 @@ def read_gguf(path: Path) -> LoadedModel:
     tensors = {t.name.removesuffix(".weight"): t for t in reader.tensors}
     args = _args_from_meta(arch, meta, tensors)
 
+    def canonical(name: str) -> str:
+        m = _BLOCK_RE.match(name)
+        if m and int(m[1]) >= args.n_layers:  # an MTP block: blk.{L+i}.nextn.eh_proj -> mtp.{i}.eh_proj
+            return f"mtp.{int(m[1]) - args.n_layers}.{m[2].removeprefix('nextn.')}"
+        return name
+
     def loader(t, name: str):
         def load() -> torch.Tensor:
             qtype = GGMLQuantizationType(t.tensor_type)
@@ -82,9 +96,13 @@ def read_gguf(path: Path) -> LoadedModel:
     for name, t in tensors.items():
         if name == "rope_freqs":
             continue  # folded into args.rope_scaling
+        name = canonical(name)
         loaders[name] = loader(t, name)
         nbytes[name] = int(t.n_bytes)
         numel[name] = int(t.n_elements)
+    # the modules the file really holds (a converter may keep the metadata but drop the MTP tensors)
+    args.n_mtp_layers = sum(f"mtp.{i}.eh_proj" in loaders for i in range(args.n_mtp_layers))
+    args.mtp_layout = args.mtp_layout if args.n_mtp_layers else None
     types = collections.Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) == 2)
     main_type = types.most_common(1)[0][0] if types else "F32"
     mixed = "" if len(types) <= 1 else " (mixed: " + ", ".join(f"{k} x{v}" for k, v in types.most_common()) + ")"
@@ -113,7 +131,10 @@ def _args_from_meta(arch: str, meta: dict, tensors: dict) -> ModelArgs:
     if "token_embd" not in tensors:
         raise ModelError("GGUF has no token_embd tensor: the file is incomplete, convert it again")
     vocab = int(tensors["token_embd"].shape[1])
-    n_layers = int(need("block_count"))
+    n_mtp = int(g("nextn_predict_layers", 0) or 0)
+    n_layers = int(need("block_count")) - n_mtp  # llama.cpp counts the MTP blocks in block_count
+    if n_layers < 1 or n_mtp < 0:
+        raise ModelError(f"GGUF metadata: {arch}.nextn_predict_layers = {n_mtp} does not fit block_count")
     rope_scaling = None
     if "rope_freqs" in tensors:  # llama-3 rope scaling, precomputed by the converter as per-frequency divisors
         rope_scaling = {"rope_type": "freq_factors", "factors": np.asarray(tensors["rope_freqs"].data).tolist()}
@@ -128,7 +149,7 @@ def _args_from_meta(arch: str, meta: dict, tensors: dict) -> ModelArgs:
         norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=float(g("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling, max_seq_len=int(g("context_length", 4096)), tie_embeddings="output" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm" in tensors,
-        n_mtp_layers=int(g("nextn_predict_layers", 0)),
+        n_mtp_layers=n_mtp, mtp_layout="deepseek" if n_mtp else None,
     )
     if FAMILIES[arch] == "gemma3":
         window = g("attention.sliding_window")

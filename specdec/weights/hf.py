@@ -1,4 +1,14 @@
-"""Hugging Face folders: config.json + model.safetensors, or shards listed in model.safetensors.index.json."""
+"""Hugging Face folders: config.json + model.safetensors, or shards listed in model.safetensors.index.json.
+
+Multi-token-prediction modules come in two layouts, both exposed as ``mtp.{i}.*`` (see specdec/models/mtp.py):
+- DeepSeek-V3 / GLM-4.5: ``num_nextn_predict_layers`` = n, module i is ``model.layers.{L+i}`` (L =
+  ``num_hidden_layers``, which does not count them) with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``,
+  ``shared_head.head``, optionally ``embed_tokens``, and the usual block tensors;
+- MiMo: ``model.mtp_layers.{i}`` with ``token_layernorm`` (-> enorm), ``hidden_layernorm`` (-> hnorm), ``input_proj``
+  (-> eh_proj), ``final_layernorm`` (-> shared_head_norm) and the block tensors. MiMo concatenates [hidden; embedding]
+  where DeepSeek concatenates [embedding; hidden]: the two column halves of ``input_proj`` are swapped on load, so
+  the canonical ``eh_proj`` always takes [embedding; hidden] (llama.cpp's order).
+"""
 
 from __future__ import annotations
 
@@ -30,6 +40,14 @@ _LAYER = {
 }
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_MIMO_MTP_RE = re.compile(r"^model\.mtp_layers\.(\d+)\.(.+)\.(weight|bias)$")
+# MTP-specific tensors of a module (DeepSeek-V3 and MiMo names) -> canonical short names
+_MTP = {
+    "enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "embed_tokens": "embed_tokens",
+    "shared_head.norm": "shared_head_norm", "shared_head.head": "shared_head_head",
+    "token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
+    "final_layernorm": "shared_head_norm",
+}
 
 
 def _rope_params(cfg: dict) -> tuple[float, dict | None, float | None]:
@@ -62,13 +80,14 @@ def args_from_config(cfg: dict) -> ModelArgs:
     if arch not in FAMILIES:
         raise ModelError(f"unknown architecture '{arch}' in config.json: specdec supports {SUPPORTED}")
     family = FAMILIES[arch]
+    qwen2 = arch in ("qwen2", "mimo")  # MiMo's trunk is a qwen2
     n_heads = int(cfg["num_attention_heads"])
     dim = int(cfg["hidden_size"])
     n_layers = int(cfg["num_hidden_layers"])
     theta, scaling, local_theta = _rope_params(cfg)
     layer_types = cfg.get("layer_types")
     window = cfg.get("sliding_window")
-    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+    if qwen2 and not cfg.get("use_sliding_window", False):
         window = None
     if family == "gemma3" and not layer_types:
         pattern = int(cfg.get("sliding_window_pattern", 6))
@@ -81,7 +100,7 @@ def args_from_config(cfg: dict) -> ModelArgs:
         ffn_dim=int(cfg["intermediate_size"]), norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if gemma else 1e-5)),
         rope_theta=theta, rope_scaling=scaling, max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)), qk_norm=arch == "qwen3" or gemma,
+        qkv_bias=qwen2 or bool(cfg.get("attention_bias", False)), qk_norm=arch == "qwen3" or gemma,
         sliding_window=int(window) if window else None, sliding_layers=sliding,
         rope_local_theta=(local_theta or 10000.0) if gemma else None,
         query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
@@ -91,23 +110,30 @@ def args_from_config(cfg: dict) -> ModelArgs:
     )
 
 
-def canonical_name(hf_name: str, gemma: bool) -> str | None:
-    """Canonical name of an HF tensor, or None for tensors we don't use (vision towers, rotary buffers)."""
+def canonical_name(hf_name: str, gemma: bool, n_layers: int | None = None) -> str | None:
+    """Canonical name of an HF tensor, or None for tensors we don't use (vision towers, rotary buffers).
+
+    n_layers: the trunk's layer count; layers from n_layers on are DeepSeek-style MTP modules (``mtp.{i}.*``)."""
     hf_name = hf_name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
     for prefix, name in _TOP.items():
         if hf_name in (f"{prefix}.weight", f"{prefix}.bias"):
             return name + (".bias" if hf_name.endswith(".bias") else "")
-    m = _LAYER_RE.match(hf_name)
+    m = _LAYER_RE.match(hf_name) or _MIMO_MTP_RE.match(hf_name)
     if not m:
         return None
     layer, part, kind = m.groups()
+    suffix = ".bias" if kind == "bias" else ""
+    if hf_name.startswith("model.mtp_layers.") or (n_layers is not None and int(layer) >= n_layers):
+        i = int(layer) - (0 if hf_name.startswith("model.mtp_layers.") else n_layers)
+        short = _MTP.get(part) or _LAYER.get(part) or f"hf.{part}"
+        return f"mtp.{i}.{short}{suffix}"
     if gemma and part == "post_attention_layernorm":
         short = "post_attention_norm"
     elif part in _LAYER:
         short = _LAYER[part]
     else:
-        return f"blk.{layer}.hf.{part}" + (".bias" if kind == "bias" else "")  # kept for MTP layouts
-    return f"blk.{layer}.{short}" + (".bias" if kind == "bias" else "")
+        return f"blk.{layer}.hf.{part}{suffix}"  # kept, unused by the trunk
+    return f"blk.{layer}.{short}{suffix}"
 
 
 def read_hf(folder: Path) -> LoadedModel:
@@ -147,25 +173,31 @@ def read_hf(folder: Path) -> LoadedModel:
             t = handles[shard].get_tensor(hf_name).float()
             if gemma and name.endswith("norm"):  # Gemma's RMSNorm multiplies by (1 + w)
                 t = t + 1.0
+            if hf_name.endswith("input_proj.weight"):  # MiMo: [hidden; embedding] -> canonical [embedding; hidden]
+                t = torch.cat(t.chunk(2, dim=1)[::-1], dim=1)
             return t
 
         return load
 
     loaders, nbytes, numel, dtypes = {}, {}, {}, set()
     for hf_name, shard in weight_map.items():
-        name = canonical_name(hf_name, gemma)
+        name = canonical_name(hf_name, gemma, args.n_layers)
         if name is not None:
             loaders[name] = loader(hf_name, shard, name)
     for shard in set(weight_map.values()):
         with safe_open(folder / shard, framework="pt") as f:
             for k in f.keys():  # noqa: SIM118
                 sl = f.get_slice(k)
-                name = canonical_name(k, gemma)
+                name = canonical_name(k, gemma, args.n_layers)
                 dtypes.add(sl.get_dtype())
                 if name is not None:
                     numel[name] = math.prod(sl.get_shape())
                     nbytes[name] = numel[name] * {"F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
     if "output" not in loaders:
         args.tie_embeddings = True
+    # the modules the file really holds (some uploads keep num_nextn_predict_layers but drop the tensors)
+    args.n_mtp_layers = sum(f"mtp.{i}.eh_proj" in loaders for i in range(max(args.n_mtp_layers, 0)))
+    mimo = any(k.startswith("model.mtp_layers.") for k in weight_map)
+    args.mtp_layout = ("mimo" if mimo else "deepseek") if args.n_mtp_layers else None
     return LoadedModel(args, LazyWeights(loaders, nbytes, numel), folder, "safetensors " + "/".join(sorted(dtypes)),
                        extra={"config": cfg})

@@ -1,0 +1,445 @@
+"""`specdec roofline`: why (and how much) speculation pays on this machine, from measured costs.
+
+The roofline model (Williams, Waterman & Patterson 2009): a kernel that does F FLOPs while moving B bytes takes at
+least max(B / bandwidth, F / peak FLOP/s). Its arithmetic intensity F / B, compared with the machine's ridge point
+(peak FLOP/s / peak bandwidth), says which floor binds. One decode forward reads every weight to do ~2 FLOPs per
+weight (intensity ~1 FLOP/byte for fp32, a few for int4): far below the ridge, so it is bandwidth-bound, and a forward
+over T tokens reads the same weights for T times the FLOPs. Speculative verification of K drafted tokens is such a
+forward with T = K + 1, so v(T) / v(1), the cost of verifying relative to one decode step, decides the best draft
+length (spec/costmodel.py). On a GPU v(T) stays ~1 up to large T; on a small CPU it does not (MACHINE-FACTS), and
+this command measures it.
+
+What it measures, all in one process so the ratios are comparable:
+- STREAM-style bandwidth (McCalpin): copy, triad and read-only over arrays far larger than the caches;
+- achieved FLOP/s of a large matmul in the model's activation dtype;
+- v(T): one target forward over T new tokens against a KV cache holding `context` tokens, exactly as speculative
+  verification runs it (`exact=True`);
+- c: seconds per drafted token of a draft model (-md), relative to v(1); 0 for n-gram lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from ..config import ModelArgs
+from ..spec.costmodel import best_k, expected_tokens_iid, speedup
+
+DEFAULT_TS = (1, 2, 4, 8, 16, 32, 64)
+FULL_TS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32, 64)  # every T a K <= 8 verification uses, then the trend
+QUICK_TS = (1, 2, 4)
+K_MAX = 8
+PREFILL_T = 512
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _sync(device: torch.device | str) -> None:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()
+
+
+def _time(fn: Callable[[], object], device) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# machine peaks
+
+
+def measure_bandwidth(device: torch.device | str = "cpu", nbytes: int = 512 * 2**20, repeats: int = 7,
+                      kinds: Sequence[str] = ("copy", "triad", "read")) -> dict:
+    """STREAM-style memory bandwidth in GB/s (1e9 bytes/s), median of `repeats`, over float32 arrays of `nbytes` each.
+
+    Bytes are counted as STREAM counts them: copy b <- a moves 2 arrays, triad a <- b + s c moves 3, read-only
+    (a.sum()) 1 (write-allocate traffic is not counted). The default 512 MB per array is far larger than the host's
+    caches (MACHINE-FACTS: working sets up to ~128 MB stay in cache and read at ~2x main-memory speed); pass a small
+    `nbytes` to measure a cache-resident working set instead. Runs are interleaved, one of each kind per repeat, so
+    noise from other load hits all kinds alike."""
+    n = max(1024, nbytes // 4)
+    a = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)  # fill_ = first touch, outside the timing
+    b = torch.empty_like(a).fill_(2.0) if {"copy", "triad"} & set(kinds) else None
+    c = torch.empty_like(a).fill_(0.5) if "triad" in kinds else None
+    ops = {
+        "copy": (lambda: b.copy_(a), 2),
+        "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 3),
+        "read": (lambda: a.sum(), 1),
+    }
+    unknown = set(kinds) - set(ops)
+    if unknown:
+        raise ValueError(f"unknown bandwidth kinds {sorted(unknown)}: use copy, triad, read")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for k in kinds:  # warm-up: page tables, thread pool
+        _time(ops[k][0], device)
+    for _ in range(repeats):
+        for k in kinds:
+            times[k].append(_time(ops[k][0], device))
+    out = {k: ops[k][1] * n * 4 / statistics.median(times[k]) / 1e9 for k in kinds}
+    out["array_bytes"] = n * 4
+    out["repeats"] = repeats
+    return out
+
+
+def measure_matmul(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", n: int = 2048,
+                   repeats: int = 5) -> float:
+    """Achieved FLOP/s (2 n^3 per product) of an [n, n] @ [n, n] matmul in `dtype`, median of `repeats`."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype, device=device)
+    _time(lambda: torch.mm(a, b, out=out), device)
+    times = [_time(lambda: torch.mm(a, b, out=out), device) for _ in range(repeats)]
+    return 2.0 * n**3 / statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model costs
+
+
+def _random_tokens(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def _cache_for(model, context: int, t_max: int):
+    if context < 0:
+        raise ValueError("--context must be >= 0")
+    if context + t_max > model.max_len:
+        raise ValueError(f"--context {context} plus T = {t_max} new tokens exceeds the model's context window of "
+                         f"{model.max_len}: lower --context or raise -c")
+    return model.new_cache(context + t_max)
+
+
+def forward_costs(model, context: int, ts: Sequence[int] = DEFAULT_TS, exact: bool = True, repeats: int = 5,
+                  warmup: int = 2, progress: Callable[[str], None] | None = None) -> dict[int, float]:
+    """Median seconds of one target forward over T new tokens, for each T in `ts`, against a KV cache already
+    holding `context` tokens: v(T) of spec/costmodel.py.
+
+    The cache is prefilled once (random tokens; the values do not change the cost), then each forward writes slots
+    [context, context + T) and `rollback(context)` forgets them. All logits are computed, as verification needs
+    them. exact=True with T > 1 is how speculative verification runs (each query attends alone over its prefix,
+    bitwise equal to decode steps; see Transformer.__call__). The T values are interleaved within each repeat, so
+    noise on a shared machine hits them alike; `warmup` rounds are excluded."""
+    from ..generate import prefill
+
+    ts = sorted(set(ts))
+    cache = _cache_for(model, context, max(ts))
+    vocab = model.args.vocab_size
+    times: dict[int, list[float]] = {t: [] for t in ts}
+    with torch.inference_mode():
+        if context:
+            prefill(model, _random_tokens(context, vocab, 0), cache)
+        inputs = {t: (torch.tensor([_random_tokens(t, vocab, t)], device=model.device),
+                      torch.arange(context, context + t, device=model.device)) for t in ts}
+        for r in range(warmup + repeats):
+            if progress:
+                progress(f"target forwards: round {r + 1}/{warmup + repeats}" + (" (warm-up)" if r < warmup else ""))
+            for t in ts:
+                ids, pos = inputs[t]
+                dt = _time(lambda ids=ids, pos=pos: model(ids, pos, cache, exact=exact), model.device)
+                cache.rollback(context)
+                if r >= warmup:
+                    times[t].append(dt)
+    return {t: statistics.median(v) for t, v in times.items()}
+
+
+def draft_cost(draft_model, context: int, n_tokens: int = 8, repeats: int = 5, warmup: int = 1) -> float:
+    """Seconds per drafted token of a draft model: `n_tokens` successive T = 1 forwards (last logits only, then an
+    argmax, as the draft-model proposer drafts greedily) after `context` cached tokens; median over repeats."""
+    from ..generate import prefill
+
+    cache = _cache_for(draft_model, context, n_tokens)
+    dev = draft_model.device
+    vocab = draft_model.args.vocab_size
+    per_token = []
+    with torch.inference_mode():
+        if context:
+            prefill(draft_model, _random_tokens(context, vocab, 1), cache)
+
+        def run() -> None:
+            tok = 0
+            for i in range(n_tokens):
+                logits, _ = draft_model(torch.tensor([[tok]], device=dev),
+                                        torch.arange(context + i, context + i + 1, device=dev), cache,
+                                        last_only=True, exact=True)
+                tok = int(torch.argmax(logits[0, -1]))
+
+        for r in range(warmup + repeats):
+            dt = _time(run, dev)
+            cache.rollback(context)
+            if r >= warmup:
+                per_token.append(dt / n_tokens)
+    return statistics.median(per_token)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# counts
+
+
+def kv_bytes_per_token(args: ModelArgs, element_size: int) -> int:
+    """Bytes of K and V one token occupies in the cache, all layers together."""
+    return args.n_layers * 2 * args.n_kv_heads * args.head_dim * element_size
+
+
+def matmul_params(args: ModelArgs) -> int:
+    """Weights every token multiplies: q, k, v, o, gate, up, down in each layer, and the output head."""
+    q_out, kv_out = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    per_layer = args.dim * q_out + 2 * args.dim * kv_out + q_out * args.dim + 3 * args.dim * args.ffn_dim
+    return args.n_layers * per_layer + args.vocab_size * args.dim
+
+
+def forward_counts(args: ModelArgs, weight_bytes: int, kv_bytes_per_token: int, t: int, context: int) -> dict:
+    """Bytes moved and FLOPs of one forward over t new tokens after `context` cached tokens.
+
+    bytes = the weights, read once whatever t (`weight_bytes`, as the model stores them) + the KV cache read for
+    context + t tokens + the t new tokens' K and V written. Activations are not counted: at these sizes they stay
+    in cache.
+    flops = 2 x (matmul parameters incl. the output head) x t + attention, per layer 2 x 2 x t x (context + t) x
+    n_heads x head_dim (q k^T and p v, each a multiply-add per element; the causal half of the new block is counted
+    as if attended, and sliding-window layers as if full, so this is an upper bound). Norms, RoPE and softmax are
+    left out (O(t x dim), negligible)."""
+    kv_read = kv_bytes_per_token * (context + t)
+    kv_written = kv_bytes_per_token * t
+    attention = args.n_layers * 2 * 2 * t * (context + t) * args.n_heads * args.head_dim
+    flops = 2 * matmul_params(args) * t + attention
+    nbytes = weight_bytes + kv_read + kv_written
+    return {"bytes": nbytes, "flops": flops, "intensity": flops / nbytes if nbytes else float("inf"),
+            "weight_bytes": weight_bytes, "kv_read_bytes": kv_read, "kv_written_bytes": kv_written,
+            "attention_flops": attention}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# predictions
+
+
+def verify_curve(costs: dict[int, float]) -> Callable[[int], float]:
+    """v(T) / v(1) from measured seconds per T (T = 1 required): linear between measured T, extrapolated beyond the
+    largest with the slope of its last segment (never below the last measured value)."""
+    if 1 not in costs:
+        raise ValueError("the verify curve needs the cost of T = 1")
+    ts = sorted(costs)
+    base = costs[1]
+
+    def v(t: int) -> float:
+        if t in costs:
+            return costs[t] / base
+        lo = max((x for x in ts if x < t), default=ts[0])
+        hi = min((x for x in ts if x > t), default=None)
+        if hi is None:
+            if len(ts) == 1:
+                return 1.0
+            a, b = ts[-2], ts[-1]
+            slope = max(0.0, (costs[b] - costs[a]) / (b - a))
+            return (costs[b] + slope * (t - b)) / base
+        w = (t - lo) / (hi - lo)
+        return ((1 - w) * costs[lo] + w * costs[hi]) / base
+
+    return v
+
+
+def predict(v: Callable[[int], float], c: float, alpha: float, k_max: int = K_MAX) -> dict:
+    """Predicted speedup for K = 1..k_max under i.i.d. acceptance alpha (costmodel), and the best K (0 = plain)."""
+    acc = [alpha] * k_max
+    k_best, s_best = best_k(acc, c, v, k_max)
+    return {"alpha": alpha, "c": c, "k": list(range(1, k_max + 1)),
+            "speedup": [speedup(acc[:k], c, v) for k in range(1, k_max + 1)],
+            "expected_tokens": [expected_tokens_iid(alpha, k) for k in range(1, k_max + 1)],
+            "best_k": k_best, "best_speedup": s_best}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def parse_alphas(text: str) -> list[float]:
+    try:
+        alphas = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--alpha must be a number or a comma list of numbers in [0, 1], not '{text}'") from None
+    if not alphas or any(not 0.0 <= a <= 1.0 for a in alphas):
+        raise ValueError(f"--alpha must be a number or a comma list of numbers in [0, 1], not '{text}'")
+    return alphas
+
+
+def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float] = (0.7,), quick: bool = False,
+                 progress: Callable[[str], None] = log) -> dict:
+    """Measure everything and return the report dict (what --json writes)."""
+    from .run import machine_info
+
+    model = target.model
+    dev = model.device
+    ts = QUICK_TS if quick else FULL_TS
+    repeats, warmup = (2, 1) if quick else (7, 2)
+    _cache_for(model, context, max(ts))  # refuse a bad --context before the long measurements
+    bw_bytes = 8 * 2**20 if quick else 512 * 2**20
+
+    progress(f"memory bandwidth: copy, triad, read over {bw_bytes / 1e6:.0f} MB float32 arrays ...")
+    bw = measure_bandwidth(dev, bw_bytes, repeats=3 if quick else 7)
+    wb = model.weight_bytes
+    progress(f"read bandwidth over a working set the size of the weights ({wb / 1e6:.0f} MB) ...")
+    bw_model = measure_bandwidth(dev, min(wb, bw_bytes), repeats=3 if quick else 7, kinds=("read",))["read"]
+    mm_n = 256 if quick else 2048
+    progress(f"matmul {mm_n}x{mm_n} @ {mm_n}x{mm_n} in {_dtype_name(model.dtype)} ...")
+    flops_peak = measure_matmul(model.dtype, dev, mm_n, repeats=3 if quick else 5)
+    progress(f"target forwards over T = {', '.join(map(str, ts))} new tokens after {context} cached ...")
+    costs = forward_costs(model, context, ts, exact=True, repeats=repeats, warmup=warmup, progress=progress)
+    c_draft = None
+    draft_s = None
+    if draft is not None:
+        progress("draft model: seconds per drafted token ...")
+        draft_s = draft_cost(draft.model, context, repeats=repeats, warmup=warmup)
+        c_draft = draft_s / costs[1]
+
+    read_bw = bw["read"] * 1e9
+    kvt = kv_bytes_per_token(model.args, torch.empty((), dtype=model.dtype).element_size())
+    rows = []
+    for t in ts:
+        n = forward_counts(model.args, wb, kvt, t, context)
+        s = costs[t]
+        floors = (n["bytes"] / read_bw, n["flops"] / flops_peak)
+        rows.append({"t": t, "seconds": s, "ratio": s / costs[1], "bandwidth_floor_s": floors[0],
+                     "bandwidth_floor_at_weight_size_s": n["bytes"] / (bw_model * 1e9), "compute_floor_s": floors[1],
+                     "x_roofline": s / max(floors), "achieved_gb_s": n["bytes"] / s / 1e9,
+                     "achieved_gflop_s": n["flops"] / s / 1e9, "intensity": n["intensity"], "bytes": n["bytes"],
+                     "flops": n["flops"]})
+    ridge = flops_peak / read_bw
+    phases = {"prefill": forward_counts(model.args, wb, kvt, PREFILL_T, 0),
+              "decode": forward_counts(model.args, wb, kvt, 1, context)}
+    for k in (1, 2, 4, 8):
+        phases[f"verify K={k}"] = forward_counts(model.args, wb, kvt, k + 1, context)
+    for name, n in phases.items():
+        n["t"] = PREFILL_T if name == "prefill" else (1 if name == "decode" else int(name.split("=")[1]) + 1)
+        n["context"] = 0 if name == "prefill" else context
+        n["bound"] = "memory" if n["intensity"] < ridge else "compute"
+        n["x_ridge"] = n["intensity"] / ridge
+
+    v = verify_curve(costs)
+    proposers = [("ngram", 0.0)] + ([("draft", c_draft)] if c_draft is not None else [])
+    predictions = [dict(predict(v, c, a), proposer=name) for name, c in proposers for a in alphas]
+    machine = machine_info()
+    machine.update(cpu=cpu_name(), device=str(dev), cpu_capability=_cpu_capability())
+    return {
+        "machine": machine,
+        "model": {"path": str(target.path), "name": _model_name(target), "file_type": target.file_type,
+                  "quant": model.quant, "dtype": _dtype_name(model.dtype), "weight_bytes": wb,
+                  "kv_bytes_per_token": kvt, "params_matmul": matmul_params(model.args),
+                  "args": {k: getattr(model.args, k) for k in ("arch", "dim", "n_layers", "n_heads", "n_kv_heads",
+                                                                "head_dim", "ffn_dim", "vocab_size")}},
+        "draft_model": None if draft is None else {"path": str(draft.path), "name": _model_name(draft),
+                                                   "weight_bytes": draft.model.weight_bytes,
+                                                   "seconds_per_token": draft_s, "c": c_draft},
+        "peaks": {"bandwidth_gb_s": {k: bw[k] for k in ("copy", "triad", "read")},
+                  "bandwidth_array_bytes": bw["array_bytes"], "read_gb_s_at_weight_size": bw_model,
+                  "matmul_gflop_s": flops_peak / 1e9, "matmul_n": mm_n, "matmul_dtype": _dtype_name(model.dtype),
+                  "ridge_flop_per_byte": ridge},
+        "forward": rows,
+        "phases": phases,
+        "verify_curve": {str(t): v(t) for t in range(1, K_MAX + 2)},
+        "predictions": predictions,
+        "settings": {"context": context, "alphas": list(alphas), "quick": quick, "exact": True, "ts": list(ts),
+                     "repeats": repeats, "warmup": warmup, "k_max": K_MAX, "threads": torch.get_num_threads()},
+    }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cpu_capability() -> str | None:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        return None
+
+
+def _model_name(loaded) -> str:
+    return Path(loaded.path).name
+
+
+def print_report(r: dict) -> None:
+    p, m = r["peaks"], r["model"]
+    bw = p["bandwidth_gb_s"]
+    print(f"model: {m['name']} ({m['file_type']}, quant {m['quant']}, {m['dtype']} activations), "
+          f"{m['weight_bytes'] / 1e6:.1f} MB of weights read per forward")
+    print(f"machine: {r['machine']['cpu']}, {r['settings']['threads']} threads, torch {r['machine']['torch']}")
+    print(f"bandwidth ({p['bandwidth_array_bytes'] / 1e6:.0f} MB arrays): copy {bw['copy']:.1f} GB/s, "
+          f"triad {bw['triad']:.1f} GB/s, read {bw['read']:.1f} GB/s; read over a working set the size of the "
+          f"weights: {p['read_gb_s_at_weight_size']:.1f} GB/s")
+    print(f"matmul {p['matmul_n']}^3 in {p['matmul_dtype']}: {p['matmul_gflop_s']:.1f} GFLOP/s; "
+          f"ridge point {p['ridge_flop_per_byte']:.1f} FLOP/byte (peak FLOP/s / read GB/s)")
+    print(f"\ntarget forward over T new tokens after {r['settings']['context']} cached (exact verification, "
+          f"medians of {r['settings']['repeats']}):")
+    print("| T | ms per forward | ratio to T=1 | bandwidth floor ms | achieved GB/s | achieved GFLOP/s | "
+          "FLOP/byte |")
+    print("|---|---|---|---|---|---|---|")
+    for row in r["forward"]:
+        print(f"| {row['t']} | {row['seconds'] * 1e3:.2f} | {row['ratio']:.2f} | {row['bandwidth_floor_s'] * 1e3:.2f} "
+              f"| {row['achieved_gb_s']:.1f} | {row['achieved_gflop_s']:.1f} | {row['intensity']:.2f} |")
+    t1 = r["forward"][0]
+    bound = max(t1["bandwidth_floor_s"], t1["compute_floor_s"])
+    print(f"decode (T=1) takes {t1['x_roofline']:.1f}x its roofline floor ({bound * 1e3:.2f} ms; "
+          f"{t1['bandwidth_floor_at_weight_size_s'] * 1e3:.2f} ms at the read speed of a working set the size of "
+          f"the weights)" + ("; the rest is per-op overhead, not memory traffic" if t1["x_roofline"] > 2 else ""))
+    print(f"\narithmetic intensity vs the ridge ({p['ridge_flop_per_byte']:.1f} FLOP/byte):")
+    for name, n in r["phases"].items():
+        print(f"  {name:<12} T={n['t']:<4} {n['intensity']:8.2f} FLOP/byte  {n['x_ridge']:6.2f}x the ridge: "
+              f"{n['bound']}-bound")
+    preds = r["predictions"]
+    print("\npredicted speedup over plain decoding (i.i.d. acceptance alpha, speedup = E(K) / (K c + v(K+1)); "
+          "c = draft cost per token / v(1)):")
+    cols = [f"{q['proposer']} a={q['alpha']:g} c={q['c']:.2f}" for q in preds]
+    print("| K | v(K+1)/v(1) | " + " | ".join(cols) + " |")
+    print("|---" * (2 + len(cols)) + "|")
+    for i, k in enumerate(preds[0]["k"]):
+        vals = " | ".join(f"{q['speedup'][i]:.2f}" for q in preds)
+        print(f"| {k} | {r['verify_curve'][str(k + 1)]:.2f} | {vals} |")
+    for q in preds:
+        verdict = "plain decoding (speculation is a loss)" if q["best_k"] == 0 else f"K = {q['best_k']}"
+        print(f"best K, {q['proposer']} alpha {q['alpha']:g}: {verdict}, predicted {q['best_speedup']:.2f}x")
+
+
+def cmd_roofline(args) -> int:
+    from ..cli import load_model
+
+    alphas = parse_alphas(args.alpha)
+    target = load_model(args)
+    draft = load_model(args, "model_draft") if args.model_draft else None
+    report = run_roofline(target, draft, args.context, alphas, args.quick)
+    print_report(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        log(f"wrote {args.json}")
+    if args.png:
+        from .plots import plot_roofline
+
+        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+        plot_roofline(report, args.png)
+        log(f"wrote {args.png}")
+    return 0

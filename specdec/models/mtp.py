@@ -1,0 +1,134 @@
+"""Native multi-token prediction (MTP): the sequential prediction modules some models ship next to their trunk
+(DeepSeek-V3, Liu et al. 2024, sec. 2.2; GLM-4.5; XiaomiMiMo-7B), run as drafters for speculative decoding.
+
+Module d (d = 1..D) at position i combines the previous depth's hidden state h_i^{d-1} with the embedding of token
+t_{i+d} and predicts t_{i+d+1}:
+
+    x       = eh_proj([enorm(Emb(t_{i+d})); hnorm(h_i^{d-1})])   # [2 dim] -> [dim]
+    x       = Block(x)          # one transformer layer, its own KV cache, RoPE at position i (the trunk's tables)
+    h_i^d   = norm(x)           # the module's final norm: shared_head.norm (DeepSeek) / final_layernorm (MiMo)
+    logits  = head(h_i^d)       # shared with the trunk unless the file ships the module its own copy
+
+What the reference implementations do (checked in their sources), and what we do:
+- Concatenation order. DeepSeek-V3 / GLM-4.5: [enorm(embedding); hnorm(hidden)] (vLLM deepseek_mtp.py and
+  glm4_moe_mtp.py, SGLang deepseek_nextn.py, llama.cpp ``ggml_concat(e_norm, h_norm)``, Megatron-LM
+  ``MultiTokenPredictionLayer._concat_embeddings``). MiMo: [hidden_layernorm(hidden); token_layernorm(embedding)]
+  (vLLM and SGLang mimo_mtp.py). The readers swap MiMo's ``input_proj`` column halves, so the canonical ``eh_proj``
+  [dim, 2 dim] always takes [embedding; hidden] and this module has one code path.
+- h^0, the trunk hidden state module 1 reads. DeepSeek layout: after the trunk's final norm (vLLM's DeepseekV2Model
+  and SGLang return norm(h) as the hidden states the drafter gets; llama.cpp feeds the trunk's ``result_norm``;
+  Megatron's decoder applies its final layernorm before the MTP block). MiMo: before the final norm (vLLM's
+  MiMoModel.forward, contributed by Xiaomi, returns hidden + residual and applies model.norm only in
+  compute_logits; SGLang's MiMo passes the normed state instead, we follow vLLM). ``Transformer`` returns the
+  pre-norm residual stream as its hidden output when ``args.mtp_layout == "mimo"``.
+- h^d, what depth d + 1 reads from depth d: the module's output after its final norm, the same tensor the head
+  reads (Megatron-LM, which trained these modules, feeds ``final_layernorm``'s output to the next depth; SGLang's
+  DeepseekModelNextN returns shared_head.norm(h) as the next step's hidden; MiMo's final_layernorm output is both).
+  vLLM's deepseek_mtp chains the pre-norm residual stream instead; we follow training.
+- Head, norm and embedding sharing: the module's own ``shared_head.head`` / ``embed_tokens`` when the file has them
+  (DeepSeek-V3 stores copies of the trunk's), else the trunk's output head / embedding (GLM-4.6 GGUFs, MiMo). A
+  module without its own final norm (a GGUF without ``nextn.shared_head_norm``) uses the trunk's output norm.
+- vLLM (both layouts) and SGLang (MiMo) zero the embedding at position 0 ("not needed by MTP"); llama.cpp and
+  Megatron training don't, and neither do we.
+
+Positions: module d's token at position i is t_{i+d}, combined with h_i^{d-1}; its RoPE position is i (Megatron
+rotates the MTP block with the trunk's positions; vLLM and SGLang pass the target's positions).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import KVCache
+from ..config import ModelArgs, ModelError
+from ..quant import make_linear
+from .transformer import AttentionPlan, Block, Transformer, rms_norm
+
+
+class MTPModule:
+    """One MTP depth: fuse (hidden, next-token embedding), one transformer block, shared head.
+
+    A plain object like Block (not an nn.Module). Its KV cache is its own 1-layer KVCache (``new_cache``)."""
+
+    def __init__(self, trunk: Transformer, w: dict[str, torch.Tensor], bits, args: ModelArgs, dtype: torch.dtype,
+                 quant: str):
+        dev = trunk.device
+        self.args, self.dtype, self.device, self.max_len = args, dtype, dev, trunk.max_len
+        self.eps = args.norm_eps
+
+        def twice(name: str) -> torch.Tensor:  # norm weights as rms_norm() takes them: [2, dim]
+            return torch.stack([w[name], w[name]]).to(dev, dtype)
+
+        self.enorm, self.hnorm = twice("enorm"), twice("hnorm")  # [2, dim] each
+        self.eh_proj = make_linear(w["eh_proj"].to(dev), None, dtype, quant, bits("eh_proj"))  # [dim, 2 dim]
+        self.block = Block(args, w, bits, dtype, quant, sliding=False)
+        self.norm = twice("shared_head_norm") if "shared_head_norm" in w else trunk.output_norm  # [2, dim]
+        self.own_head = "shared_head_head" in w
+        self.head = (make_linear(w["shared_head_head"].to(dev), None, dtype, quant, bits("shared_head_head"))
+                     if self.own_head else trunk.output)  # [V, dim]
+        embed = w.get("embed_tokens")
+        self.embed = trunk.embed if embed is None else embed.to(dev, trunk.embed.dtype)  # [V, dim]
+        self.rope = trunk.rope
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        a = self.args
+        return KVCache(1, a.n_kv_heads, a.head_dim, max_len or self.max_len, self.dtype, self.device)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward reads (the embedding lookup not counted; the head counted even if shared)."""
+        tensors = self.block.tensors() + self.eh_proj.tensors() + self.head.tensors()
+        tensors += [self.enorm, self.hnorm, self.norm]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def __call__(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                 exact: bool = False, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [1, T, dim] (depth 1: the trunk's hidden output), tokens [1, T], positions [T] ->
+        (logits [1, T, V] float32, h_next [1, T, dim] for depth d + 1).
+
+        At position p, tokens[p] is the token after the one h[p] was computed from (depth 1: the trunk's hidden at
+        p with the token at p + 1), and the logits predict the token after tokens[p]. Writes the T new keys/values
+        at cache slots [cache.length, cache.length + T) and advances cache.length. exact: each position computed
+        exactly as a T = 1 call would (bitwise), as in Transformer.__call__."""
+        T = tokens.shape[1]
+        start = cache.reserve(T)
+        L = start + T
+        cache.pos[start:L] = positions
+        e = F.embedding(tokens, self.embed).to(self.dtype)  # [1, T, dim]
+        x = self.eh_proj(torch.cat([rms_norm(e, self.enorm, self.eps),
+                                    rms_norm(h.to(self.dtype), self.hnorm, self.eps)], dim=-1))  # [1, T, dim]
+        a = self.args
+        rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
+        if T == 1:
+            plan = AttentionPlan("single")
+        elif exact:
+            plan = AttentionPlan("rows")
+        else:
+            causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+            full = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device), causal], dim=1)  # [T, L]
+            plan = AttentionPlan("masked", full, full)
+        x = self.block(x, rope, cache.kv[0], cache.k_all[0], cache.v_all[0], start, plan, None)
+        cache.length = L
+        h_next = rms_norm(x, self.norm, self.eps)  # [1, T, dim]
+        return self.head(h_next[:, -1:] if last_only else h_next).float(), h_next
+
+
+def load_mtp_modules(trunk: Transformer, weights, args: ModelArgs, dtype: torch.dtype = torch.float32,
+                     quant: str = "none") -> list[MTPModule]:
+    """The file's MTP modules (canonical ``mtp.{i}.*`` tensors), depth 1 first; [] when it has none."""
+    if not args.n_mtp_layers:
+        return []
+    if args.family != "llama":
+        raise ModelError(f"MTP modules are supported on Llama-family trunks, not {args.arch}")
+    modules = []
+    for i in range(args.n_mtp_layers):
+        prefix = f"mtp.{i}."
+        w = {n[len(prefix):]: weights[n].to(trunk.device) for n in weights
+             if n.startswith(prefix) and ".hf." not in n}
+        try:
+            bits = lambda *names, p=prefix: weights.bits(*(p + n for n in names))  # noqa: E731
+            modules.append(MTPModule(trunk, w, bits, args, dtype, quant))
+        except KeyError as e:
+            raise ModelError(f"MTP module {i} lacks tensor {e}: the file is incomplete") from e
+    return modules
