@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
     b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate per prompt (default 128)")
     b.add_argument("--repeats", type=int, default=3, help="runs per prompt and mode; the median is reported")
-    b.add_argument("--peer", action="append", default=[], help="also run a peer engine: hf")
+    b.add_argument("--peer", action="append", default=[], help="also run a peer engine in the same run: hf "
+                                                               "(transformers), llama.cpp:DIR (a llama.cpp build)")
     b.add_argument("--json", default=None, help="write every number to this JSON file")
     b.add_argument("--png", default=None, help="bar chart of tok/s per mode and category, and acceptance per "
                                                "draft position, to this PNG")
@@ -303,7 +304,7 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     s = result.stats
-    print(f"\nload {target.load_seconds:.2f} s ({target.file_type}, {target.model.quant} weights, "
+    print(f"\nload {target.load_seconds:.2f} s ({target.file_type}; in memory {target.model.weight_format}, "
           f"{str(target.model.dtype).removeprefix('torch.')} activations) | prompt {s.prompt_tokens} tokens, "
           f"{s.prefill_tok_s:.1f} tok/s | generated {s.generated_tokens} tokens, {s.decode_tok_s:.1f} tok/s | "
           f"finish: {result.finish_reason}", file=sys.stderr)

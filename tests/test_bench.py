@@ -21,7 +21,8 @@ def test_bench_tiny_model_end_to_end(tmp_path, capsys):
     assert rc == 0
     report = json.loads(out.read_text())
     modes = {r["mode"] for r in report["rows"]}
-    assert {"plain", "ngram (K auto)", "ngram (K 2)", "draft (K auto)", "draft (K 2)", "hf transformers"} <= modes
+    assert {"plain", "ngram (K auto)", "ngram (K 2)", "draft (K auto)", "draft (K 2)", "hf", "hf prompt-lookup",
+            "hf assisted"} <= modes
     assert report["mismatches"] == []  # every speculative output equals plain greedy output
     assert report["settings"]["n_predict"] == 12 and report["machine"]["torch"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -32,6 +33,8 @@ def test_bench_tiny_model_end_to_end(tmp_path, capsys):
 def test_spec_bench_prompts():
     rows = load_prompts(SPEC_BENCH, "mt_bench,summarization", limit=3)
     assert [r.category for r in rows] == ["mt_bench"] * 3 + ["summarization"] * 3
+    eight = load_prompts(SPEC_BENCH, "mt_bench", limit=8)  # evenly spaced: one prompt of each MT-bench sub-task
+    assert len({r.id for r in eight}) == 8 and [int(r.id) for r in eight] == [81 + 10 * i for i in range(8)]
     assert load_prompts(SPEC_BENCH)[0].category == "mt_bench"  # writing, roleplay, ... fold into mt_bench
     with pytest.raises(ValueError, match="no prompts of category"):
         load_prompts(SPEC_BENCH, "poetry")
@@ -44,3 +47,43 @@ def test_plain_prompt_format(tmp_path):
     f.write_text("not json\n")
     with pytest.raises(ValueError, match="not JSON"):
         load_prompts(f)
+
+
+PERF = "llama_perf_context_print:"
+FAKE_SIMPLE = f"""#!/bin/sh
+echo "main: decoded 31 tokens in 0.40 s, speed: 77.50 t/s" >&2
+echo "{PERF} prompt eval time =  20.00 ms /    12 tokens (    1.67 ms per token,   600.00 tokens per second)" >&2
+echo "{PERF}        eval time = 300.00 ms /    31 runs   (    9.68 ms per token,   103.33 tokens per second)" >&2
+"""
+FAKE_LOOKUP = """#!/bin/sh
+echo "encoded   12 tokens in    0.020 seconds, speed:  600.000 t/s" >&2
+echo "decoded   32 tokens in    0.250 seconds, speed:  128.000 t/s" >&2
+echo "n_draft   = 4" >&2
+echo "n_drafted = 40" >&2
+echo "n_accept  = 30" >&2
+"""
+
+
+def test_llama_cpp_peer_parses_its_tools(tmp_path):
+    """The llama.cpp peer runs the tools of a build folder and reads their own timing lines (fake tools here:
+    CI has no llama.cpp build)."""
+    from specdec.bench.peers import LlamaCppPeer, parse_llama_output
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("llama-simple", FAKE_SIMPLE), ("llama-lookup", FAKE_LOOKUP)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    plain = LlamaCppPeer(tmp_path, "plain", model)
+    seconds, tokens, counts = plain.run([1, 2], "hi", 32)
+    assert tokens is None and abs(seconds - 0.3) < 1e-9  # the decode-only "eval time" line, 31 tokens
+    lookup = LlamaCppPeer(tmp_path, "lookup", model, draft_max=4)
+    assert "--draft-max" in lookup.command("hi", 32)
+    seconds, _, counts = lookup.run([1, 2], "hi", 32)
+    assert counts == {"n_draft": 4, "n_drafted": 40, "n_accept": 30} and abs(seconds - 0.25 * 31 / 32) < 1e-9
+    with pytest.raises(ValueError, match="not found"):
+        LlamaCppPeer(tmp_path, "speculative", model, model)
+    with pytest.raises(ValueError, match="no timing"):
+        parse_llama_output("nothing here")

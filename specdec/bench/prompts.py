@@ -29,7 +29,8 @@ class Prompt:
 
 
 def load_prompts(path: str | Path | None, categories: str | None = None, limit: int | None = None) -> list[Prompt]:
-    """Prompts grouped by category, at most `limit` per category. Spec-Bench rows use their first turn."""
+    """Prompts grouped by category, at most `limit` per category (evenly spaced over the category, file order
+    kept). Spec-Bench rows use their first turn."""
     if path is None:
         rows = [Prompt(c, t, f"builtin-{i}") for i, (c, t) in enumerate(BUILTIN)]
     else:
@@ -58,12 +59,11 @@ def load_prompts(path: str | Path | None, categories: str | None = None, limit: 
         if not wanted & known:
             raise ValueError(f"no prompts of category {categories}: the file has {', '.join(sorted(known))}")
         rows = [r for r in rows if r.category in wanted]
-    if limit is not None:
-        counts: dict[str, int] = {}
-        kept = []
+    if limit is not None:  # evenly spaced within each category, so mt_bench's limit covers its eight sub-tasks
+        by_cat: dict[str, list[Prompt]] = {}
         for r in rows:
-            counts[r.category] = counts.get(r.category, 0) + 1
-            if counts[r.category] <= limit:
-                kept.append(r)
-        rows = kept
+            by_cat.setdefault(r.category, []).append(r)
+        keep = {id(group[i * len(group) // limit]) for group in by_cat.values()
+                for i in range(min(limit, len(group)))}
+        rows = [r for r in rows if id(r) in keep]
     return rows

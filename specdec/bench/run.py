@@ -11,7 +11,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,42 +67,6 @@ def chat_prompt_ids(tokenizer, prompt: Prompt, chat: bool) -> list[int]:
     return tokenizer.encode(prompt.text)
 
 
-class HFPeer:
-    """Hugging Face transformers' greedy `generate` on the same model file and prompts.
-
-    Decode time = time(generate n tokens) - time(generate 1 token), so the prefill is excluded as for specdec."""
-
-    name = "hf transformers"
-
-    def __init__(self, path, dtype: torch.dtype = torch.float32):
-        import os
-
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging
-
-        logging.set_verbosity_error()
-        logging.disable_progress_bar()
-        if path.is_dir():
-            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-        self.model.eval()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-
-    def run(self, ids: list[int], n: int) -> tuple[float, list[int]]:
-        x = torch.tensor([ids])
-        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-        with torch.inference_mode():
-            t = time.perf_counter()
-            self.model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
-            t1 = time.perf_counter() - t
-            t = time.perf_counter()
-            out = self.model.generate(x, max_new_tokens=n, min_new_tokens=n, **kw)
-            tn = time.perf_counter() - t
-        return max(tn - t1, 1e-9), out[0, len(ids):].tolist()
-
-
 # bench mode -> (kind of MTP heads, tree drafts?)
 MTP_MODES = {"mtp": ("sequential", False), "mtp-tree": ("sequential", True), "medusa": ("parallel", False),
              "medusa-tree": ("parallel", True)}
@@ -132,12 +95,10 @@ def cmd_bench(args) -> int:
         if resolve_mtp(target, None, "parallel"):
             modes_wanted += ["medusa", "medusa-tree"]
     modes = build_modes(modes_wanted, target, args)
-    peers = []
-    for peer in args.peer:
-        if peer != "hf":
-            raise ValueError(f"unknown --peer '{peer}': use hf")
-        print("loading hf transformers peer ...", file=sys.stderr)
-        peers.append(HFPeer(target.path))
+    from .peers import build_peers
+
+    draft = load_model(args, "model_draft") if args.model_draft and args.peer else None
+    peers = build_peers(args.peer, target, draft, args.draft_max)
     report = run_bench(target, modes, peers, prompts, args.n_predict, args.repeats, chat=not args.no_chat)
     report["settings"] = {"model": str(target.path), "file_type": target.file_type, "quant": target.model.quant,
                           "dtype": str(target.model.dtype).removeprefix("torch."), "n_predict": args.n_predict,
@@ -209,8 +170,9 @@ def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: 
     model, tok = target.model, target.tokenizer
     ids = [chat_prompt_ids(tok, p, chat) for p in prompts]
     cells = {(m.name, i): Cell() for m in modes for i in range(len(prompts))}
+    texts = [tok.decode(x) for x in ids]  # for peers that take text (llama.cpp): the same chat-formatted prompt
     peer_times = {(pe.name, i): [] for pe in peers for i in range(len(prompts))}
-    peer_tokens = {}
+    peer_tokens, peer_counts = {}, {}
     # one warm-up generation per mode (allocations, first-touch of the weights)
     for m in modes:
         proposer, policy = m.make()
@@ -226,9 +188,10 @@ def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: 
                     cells[(m.name, i)].results.append(r)
                     bar.update(1)
                 for pe in peers:
-                    dt, toks = pe.run(x, n)
+                    dt, toks, counts = pe.run(x, texts[i], n)
                     peer_times[(pe.name, i)].append(dt)
                     peer_tokens[(pe.name, i)] = toks
+                    peer_counts[(pe.name, i)] = counts
                     bar.update(1)
     # greedy outputs must agree: every mode with plain, and the peers with plain
     mismatches = []
@@ -239,10 +202,12 @@ def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: 
                 if r.tokens != ref:
                     mismatches.append({"mode": m.name, "prompt": p.id, "first_diff": _first_diff(ref, r.tokens)})
                     break
-    peer_agreement = {}
+    peer_agreement = {}  # a peer's greedy output vs specdec's plain output (they run other kernels / precisions)
     for pe in peers:
-        same = [peer_tokens[(pe.name, i)] == cells[("plain", i)].results[0].tokens for i in range(len(prompts))]
-        peer_agreement[pe.name] = sum(same) / len(same)
+        same = [peer_tokens[(pe.name, i)] == cells[("plain", i)].results[0].tokens for i in range(len(prompts))
+                if peer_tokens[(pe.name, i)] is not None]
+        if same:
+            peer_agreement[pe.name] = sum(same) / len(same)
     categories = sorted({p.category for p in prompts})
     rows = []
     for cat in categories + ["all"]:
@@ -269,10 +234,12 @@ def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: 
         for pe in peers:
             time_s = sum(statistics.median(peer_times[(pe.name, i)]) for i in idx)
             toks = (n - 1) * len(idx)
-            rows.append({"category": cat, "mode": pe.name, "models": "target (fp32)", "tok_s": toks / time_s,
-                         "speedup": toks / time_s / base, "mean_accepted": 1.0, "acceptance": None,
-                         "acceptance_per_position": [], "gb_s": pe.weight_bytes * toks / time_s / 1e9,
-                         "tokens": toks, "decode_s": time_s})
+            drafted = sum(peer_counts[(pe.name, i)].get("n_drafted", 0) for i in idx)
+            accepted = sum(peer_counts[(pe.name, i)].get("n_accept", 0) for i in idx)
+            rows.append({"category": cat, "mode": pe.name, "models": pe.models, "tok_s": toks / time_s,
+                         "speedup": toks / time_s / base, "mean_accepted": None,
+                         "acceptance": accepted / drafted if drafted else None, "acceptance_per_position": [],
+                         "gb_s": None, "tokens": toks, "decode_s": time_s, "peer": True})
     return {"machine": machine_info(), "rows": rows, "mismatches": mismatches, "peer_greedy_agreement": peer_agreement,
             "peak_rss_mb": peak_rss_mb(), "target_weight_bytes": model.weight_bytes,
             "prompts": [{"id": p.id, "category": p.category} for p in prompts]}
@@ -291,8 +258,10 @@ def print_report(report: dict) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
+        mean = "-" if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f}"
+        gbs = "-" if r["gb_s"] is None else f"{r['gb_s']:.1f}"
         print(f"| {r['category']} | {r['mode']} | {r['models']} | {r['tok_s']:.1f} | {r['speedup']:.2f} | "
-              f"{r['mean_accepted']:.2f} | {acc} | {r['gb_s']:.1f} |")
+              f"{mean} | {acc} | {gbs} |")
     for name, agree in report["peer_greedy_agreement"].items():
         print(f"\n{name}: identical greedy output on {agree:.0%} of prompts")
     if report["mismatches"]:

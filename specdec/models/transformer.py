@@ -228,6 +228,16 @@ class Transformer:
         return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len or self.max_len, self.dtype, self.device, batch)
 
     @property
+    def weight_format(self) -> str:
+        """The linear layers' formats in memory, e.g. "int4 x120, int8 x1" (quant "auto" mixes them)."""
+        import collections
+
+        names = {"Int4Linear": "int4", "Int8Linear": "int8", "Linear": str(self.dtype).removeprefix("torch.")}
+        lins = [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2)] + [self.output]
+        counts = collections.Counter(names[type(lin).__name__] for lin in lins)
+        return ", ".join(f"{k} x{v}" for k, v in counts.most_common())
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads: every layer's matrices and norms and the output head (a lookup reads
         only T rows of the embedding table, which is not counted)."""
