@@ -105,16 +105,27 @@ def simulate(policy: AutoDraftLength, steps: int, accept_all: bool, verify_s, dr
 
 
 def test_auto_k_settles_on_plain_when_every_draft_is_rejected_and_probes():
-    policy = AutoDraftLength(k_max=8, probe_every=16)
-    ks = simulate(policy, 200, accept_all=False, verify_s=lambda t: 0.010 * (1 + 0.1 * (t - 1)),
+    policy = AutoDraftLength(k_max=8, probe_every=16, probe_max=64)
+    ks = simulate(policy, 400, accept_all=False, verify_s=lambda t: 0.010 * (1 + 0.1 * (t - 1)),
                   draft_s_per_token=0.0)
     tail = ks[100:]
-    assert sum(k == 0 for k in tail) >= 0.9 * len(tail)
-    # after probe_every plain steps it drafts again (k > 0), once, then goes back to plain
-    probes = [i for i, k in enumerate(ks) if k > 0 and i >= 50]
-    assert probes and all(ks[i] == 1 for i in probes)
-    assert all(b - a == 16 + 1 for a, b in zip(probes, probes[1:], strict=False))
-    assert all(k == 0 for k in ks[probes[0] - 16:probes[0]])
+    assert sum(k == 0 for k in tail) >= 0.95 * len(tail)
+    # now and then it drafts again (k = 1), once, then goes back to plain; each failed probe doubles the wait
+    probes = [i for i, k in enumerate(ks) if k > 0 and i >= 20]
+    assert len(probes) >= 4 and all(ks[i] == 1 for i in probes)
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:3] in ([32, 64, 64], [16, 32, 64]) and set(gaps[3:]) <= {64}
+    assert all(k == 0 for k in ks[probes[-1] - 64:probes[-1]])
+
+
+def test_auto_k_probe_backoff_resets_when_a_probe_is_accepted():
+    policy = AutoDraftLength(k_max=8, probe_every=16, probe_max=256)
+    simulate(policy, 300, accept_all=False, verify_s=lambda t: 0.010 * (1 + 0.1 * (t - 1)), draft_s_per_token=0.0)
+    assert policy.probe_gap > 16
+    policy.since_draft = policy.probe_gap
+    assert policy.choose() == 1 and policy.probing
+    policy.update(1, 1, 0.011, 0.0)
+    assert policy.probe_gap == 16
 
 
 def test_auto_k_settles_on_plain_when_drafts_are_expensive():

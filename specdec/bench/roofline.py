@@ -20,7 +20,6 @@ What it measures, all in one process so the ratios are comparable:
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import sys
 import time
@@ -267,16 +266,6 @@ def predict(v: Callable[[int], float], c: float, alpha: float, k_max: int = K_MA
 # the command
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def parse_alphas(text: str) -> list[float]:
     try:
         alphas = [float(x) for x in str(text).split(",") if x.strip()]
@@ -343,7 +332,7 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
     proposers = [("ngram", 0.0)] + ([("draft", c_draft)] if c_draft is not None else [])
     predictions = [dict(predict(v, c, a), proposer=name) for name, c in proposers for a in alphas]
     machine = machine_info()
-    machine.update(cpu=cpu_name(), device=str(dev), cpu_capability=_cpu_capability())
+    machine.update(device=str(dev), cpu_capability=_cpu_capability())
     return {
         "machine": machine,
         "model": {"path": str(target.path), "name": _model_name(target), "file_type": target.file_type,

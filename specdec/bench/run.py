@@ -52,10 +52,22 @@ def peak_rss_mb() -> float:
     return rss / 1024 if sys.platform != "darwin" else rss / 2**20
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict:
     import psutil
 
-    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": psutil.cpu_count(),
+    return {"cpu": cpu_name(), "platform": platform.platform(), "processor": platform.processor(),
+            "cpus": psutil.cpu_count(),
             "physical_cores": psutil.cpu_count(logical=False),
             "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "python": platform.python_version()}
@@ -263,7 +275,8 @@ def print_report(report: dict) -> None:
         print(f"| {r['category']} | {r['mode']} | {r['models']} | {r['tok_s']:.1f} | {r['speedup']:.2f} | "
               f"{mean} | {acc} | {gbs} |")
     for name, agree in report["peer_greedy_agreement"].items():
-        print(f"\n{name}: identical greedy output on {agree:.0%} of prompts")
+        print(f"\n{name}: greedy output identical to specdec plain on {agree:.0%} of prompts (it runs other weights "
+              f"and kernels, e.g. dequantized fp32: near-ties can resolve differently)")
     if report["mismatches"]:
         print(f"\n!!! {len(report['mismatches'])} speculative outputs DIFFER from plain greedy output:",
               file=sys.stderr)

@@ -4,7 +4,9 @@ auto keeps running estimates of (a) the acceptance probability at each draft pos
 positions having been accepted, (b) the target's forward time for each number of tokens T it has verified, and
 (c) the drafting time per token, and each step picks the K (0 = plain decoding) that maximizes the predicted tokens
 per second of spec/costmodel.py. Estimates forget old evidence exponentially, so the policy follows a prompt whose
-drafts go from useless (free text) to excellent (a quoted list) and back.
+drafts go from useless (free text) to excellent (a quoted list) and back. While K = 0 it probes with K = 1 now and
+then so the estimates can recover; a probe that fails doubles the wait before the next (exponential backoff, as in
+TCP retransmission), since each probe costs a verify of 2 tokens plus the proposer catching up on what it skipped.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ class AutoDraftLength:
     """Choose each step's K to maximize expected tokens per second, from measured acceptance and costs."""
 
     def __init__(self, k_max: int = 8, draft_min: int = 0, prior_acceptance: float = 0.5, decay: float = 0.95,
-                 probe_every: int = 16):
+                 probe_every: int = 16, probe_max: int = 256):
         self.draft_max, self.draft_min = k_max, draft_min
         self.decay, self.probe_every, self.prior = decay, probe_every, prior_acceptance
+        self.probe_gap, self.probe_max = probe_every, probe_max  # plain steps before the next probe
+        self.probing = False
         # acceptance per position: exponentially weighted counts of accepted / reached
         self.acc = [0.0] * k_max
         self.seen = [0.0] * k_max
@@ -80,7 +84,8 @@ class AutoDraftLength:
         base = self.forward_s(1)
         c = self.draft_s_per_token / base if (self.draft_s_per_token is not None and base) else 0.0
         k, _ = best_k(self.acceptance(), c, self.verify_cost, self.draft_max)
-        if k == 0 and self.since_draft >= self.probe_every:
+        self.probing = k == 0 and self.since_draft >= self.probe_gap
+        if self.probing:
             k = 1  # probe now and then, or the estimates could never recover
         return k
 
@@ -94,6 +99,9 @@ class AutoDraftLength:
             self.since_draft += 1
             return
         self.since_draft = 0
+        # backoff: a failed probe doubles the wait; an accepted token or a draft chosen on its merits resets it
+        failed_probe = self.probing and n_accepted == 0
+        self.probe_gap = min(2 * self.probe_gap, self.probe_max) if failed_probe else self.probe_every
         per_token = draft_s / k
         self.draft_s_per_token = per_token if self.draft_s_per_token is None else (
             0.8 * self.draft_s_per_token + 0.2 * per_token)
