@@ -33,6 +33,7 @@ def test_bench_tiny_model_end_to_end(tmp_path, capsys):
 def test_spec_bench_prompts():
     rows = load_prompts(SPEC_BENCH, "mt_bench,summarization", limit=3)
     assert [r.category for r in rows] == ["mt_bench"] * 3 + ["summarization"] * 3
+    assert len(load_prompts(SPEC_BENCH, "mt_bench", limit=100)) == 80  # a limit above the category's size keeps all
     eight = load_prompts(SPEC_BENCH, "mt_bench", limit=8)  # evenly spaced: one prompt of each MT-bench sub-task
     assert len({r.id for r in eight}) == 8 and [int(r.id) for r in eight] == [81 + 10 * i for i in range(8)]
     assert load_prompts(SPEC_BENCH)[0].category == "mt_bench"  # writing, roleplay, ... fold into mt_bench

@@ -63,7 +63,7 @@ def load_prompts(path: str | Path | None, categories: str | None = None, limit: 
         by_cat: dict[str, list[Prompt]] = {}
         for r in rows:
             by_cat.setdefault(r.category, []).append(r)
-        keep = {id(group[i * len(group) // limit]) for group in by_cat.values()
-                for i in range(min(limit, len(group)))}
+        keep = {id(group[i * len(group) // n]) for group in by_cat.values()
+                for n in [min(limit, len(group))] for i in range(n)}
         rows = [r for r in rows if id(r) in keep]
     return rows
