@@ -158,11 +158,10 @@ class SequentialMTP(_MTPBase):
                 if j <= m:  # module j at the last position, and the positions before it that need drafted tokens
                     mod, d = self.modules[j - 1], j
                     ps = list(range(self.n[d], C - 1))
-                    p0 = ps[0]
                 else:  # past the trained depth: the last module again, one position further each step
                     mod, d = self.modules[-1], m
                     ps = [C - 2 + j - m]
-                    p0 = ps[0]
+                p0 = ps[0]
                 h_in = torch.stack([h_at(d - 1 if j <= m else m, p if j <= m else p - 1) for p in ps])[None]
                 toks = torch.tensor([[ext[p + d] for p in ps]], device=mod.device)
                 logits, h = mod(h_in, toks, torch.arange(p0, p0 + len(ps), device=mod.device), self.caches[d - 1],

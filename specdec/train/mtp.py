@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.transformer import apply_rope
+
 FORMAT = "specdec-heads/1"
 
 
@@ -82,11 +84,6 @@ def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     return x * w if w is not None else x
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half RoPE; cos/sin [T, D] with the sign folded into sin as in models.transformer.Rope."""
-    return x * cos[:, None] + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin[:, None]
-
-
 class TrainSequential(nn.Module):
     """One sequential MTP module (DeepSeek-V3 layout) on a Llama-family trunk."""
 
@@ -130,7 +127,8 @@ class TrainSequential(nn.Module):
         v = F.linear(a, self.wv, self.bv).view(T, self.Hkv, self.D)
         if self.q_norm is not None:
             q, k = _rms(q, self.q_norm, self.eps), _rms(k, self.k_norm, self.eps)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]: the same rotation for every head
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                            is_causal=True, scale=self.scale, enable_gqa=self.H != self.Hkv)
         x = x + o[0].transpose(0, 1).reshape(T, -1) @ self.wo.T
