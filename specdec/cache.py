@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
+
 
 class ContextFull(Exception):
     """The context window is full."""
@@ -17,13 +19,16 @@ class ContextFull(Exception):
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", batch: int = 1):
+                 device: torch.device | str = "cpu", batch: int = 1, transposed_keys: bool = False):
         # keys and values side by side, so one copy writes both: kv[l, :, s, :Hkv] = K, kv[l, :, s, Hkv:] = V
         # batch > 1 only for sequences that advance in lockstep (train-mtp samples one prompt several times)
         self.kv = torch.zeros(n_layers, batch, max_len, 2 * n_kv_heads, head_dim, dtype=dtype, device=device)
         # per-layer views as attention reads them: [B, Hkv, S, D] (made once; slicing them per step is one op)
         self.k_all = [self.kv[i, :, :, :n_kv_heads].transpose(1, 2) for i in range(n_layers)]
         self.v_all = [self.kv[i, :, :, n_kv_heads:].transpose(1, 2) for i in range(n_layers)]
+        # the keys again, in transposed tiles [layers, Hkv, tiles, D, 32], for the attention kernel
+        # (specdec/kernels/attention.c computes 32 scores at a time from a tile)
+        self.kt = kernels.key_tiles(n_layers, n_kv_heads, head_dim, max_len, dtype) if transposed_keys else None
         self.pos = torch.zeros(max_len, dtype=torch.long, device=device)  # [S] RoPE position of each slot
         self.max_len = max_len
         self.length = 0
@@ -45,9 +50,12 @@ class KVCache:
         if slots != list(range(start, start + n)):
             idx = torch.tensor(slots, device=self.kv.device)
             self.kv[:, :, start:start + n] = self.kv[:, :, idx]
+            if self.kt is not None:
+                kernels.store_keys(self.kv, self.kt, start, start + n)
             self.pos[start:start + n] = self.pos[idx]
         self.length = start + n
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        extra = self.kt.numel() * self.kt.element_size() if self.kt is not None else 0
+        return self.kv.numel() * self.kv.element_size() + extra

@@ -99,6 +99,17 @@ def test_greedy_identity(target, plain, tiny_draft, kind, k):
             assert r.stats.drafted > 0
 
 
+def test_greedy_identity_without_the_attention_kernel(target, monkeypatch):
+    """A machine without a C compiler verifies with one SDPA call per row (AttentionPlan "rows"): still exact."""
+    monkeypatch.setattr(target.model, "kernel", False)
+    for p in PROMPTS[:2]:
+        ids = chat(target.tokenizer, p)
+        ref = generate(target.model, target.tokenizer, ids, GREEDY, max_tokens=N, ignore_eos=True)
+        r = generate(target.model, target.tokenizer, ids, GREEDY, max_tokens=N, ignore_eos=True,
+                     proposer=RandomProposer(target.model.args.vocab_size), draft_length=FixedDraftLength(4))
+        assert r.tokens == ref.tokens and r.stats.drafted > 0
+
+
 @pytest.mark.parametrize("kind", ["tiny", "ngram", "random"])
 def test_greedy_identity_with_auto_draft_length(target, plain, tiny_draft, kind):
     from specdec.spec.autok import AutoDraftLength

@@ -30,9 +30,10 @@ def decode_path(model, prompt, tokens):
     return logits[0, -1], cache
 
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_tree_attention_equals_plain_decoding_of_each_path(smollm2_default, exact):
+@pytest.mark.parametrize("exact,kernel", [(True, True), (True, False), (False, True)])
+def test_tree_attention_equals_plain_decoding_of_each_path(smollm2_default, monkeypatch, exact, kernel):
     m, tok = smollm2_default.model, smollm2_default.tokenizer
+    monkeypatch.setattr(m, "kernel", kernel and m.kernel)  # False: SDPA per node (AttentionPlan "paths")
     prompt = tok.encode_chat([{"role": "user", "content": "Name a fruit."}])
     root = 504
     n = len(prompt)
@@ -46,8 +47,8 @@ def test_tree_attention_equals_plain_decoding_of_each_path(smollm2_default, exac
             ref, ref_cache = decode_path(m, prompt, [([root] + TOKENS)[r] for r in path])
             if exact:
                 assert torch.equal(logits[0, i + 1], ref), f"node {i}"
-            else:
-                torch.testing.assert_close(logits[0, i + 1], ref, atol=0.6, rtol=0)
+            else:  # bf16 rounding differences through 30 layers: one masked SDPA call vs the attention kernel
+                torch.testing.assert_close(logits[0, i + 1], ref, atol=1.0, rtol=0)
         if exact:  # keep one path: the cache equals the plain-decoding cache of that path, bit for bit
             path = paths(PARENTS)[6]
             cache.keep(n, [n + r for r in path])

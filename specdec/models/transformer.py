@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..cache import KVCache
 from ..config import ModelArgs, ModelError
 from ..quant import make_linear
@@ -84,7 +85,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 class AttentionPlan:
     """How a forward's T new queries attend, decided once per forward and shared by every layer.
 
+    - "kernel": every query attends its own list of cache slots in specdec/kernels/attention.c, which computes
+      each row the same way whatever the other rows are: decode steps, exact chains and exact trees in one call;
     - "single": T = 1, the query attends every cached slot (the plain decode step);
+    Without the kernel (no C compiler, GPU, f16), exactness falls back to one SDPA call per row:
     - "rows": an exact chain: each query attends alone over its own prefix, the very call a decode step makes;
     - "paths": an exact tree: each node attends alone over the prompt and its root-to-node path, laid out in
       consecutive slots as they will be once the path is accepted;
@@ -92,8 +96,9 @@ class AttentionPlan:
       attention kernels are not batch-invariant, so results differ from decode steps in the last bits.
     """
 
-    def __init__(self, kind: str, full: torch.Tensor | None = None, sliding: torch.Tensor | None = None,
-                 paths: list[torch.Tensor] | None = None):
+    def __init__(self, kind: str, full=None, sliding=None, paths: list[torch.Tensor] | None = None):
+        # full / sliding: [T, L] masks ("masked"), or (slots, offsets) per row ("kernel"), for full-attention and
+        # sliding-window layers
         self.kind, self.full, self.sliding, self.paths = kind, full, sliding, paths
 
 
@@ -142,12 +147,13 @@ class Block:
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
                  k_all: torch.Tensor, v_all: torch.Tensor, start: int, plan: AttentionPlan,
-                 window: int | None) -> torch.Tensor:
+                 window: int | None, kt: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim].
 
         rope: cos, sin [1, T, H + 2 Hkv, D]; kv [B, S, 2 Hkv, D] this layer's cache, written at slots
         [start, start+T); k_all / v_all [B, Hkv, S, D] views of it; plan: how the T queries attend (see
-        AttentionPlan); window: sliding-window size of this layer, or None."""
+        AttentionPlan); window: sliding-window size of this layer, or None; kt [Hkv, tiles, D, 32] this layer's keys
+        in the attention kernel's tiles, when the cache keeps them (KVCache.kt)."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         L = start + T
@@ -158,8 +164,12 @@ class Block:
         qkv = apply_rope(qkv, *rope)
         new_kv = qkv[:, :, H:]  # [B, T, 2 Hkv, D]
         kv[:, start:L] = new_kv
+        if kt is not None:
+            kernels.store_keys(kv, kt, start, L)
         q = qkv[:, :, :H].transpose(1, 2)  # [B, H, T, D]
-        if plan.kind == "masked":
+        if plan.kind == "kernel":
+            o = kernels.attend(qkv, kv, kt, H, Hkv, *(plan.sliding if window else plan.full), self.scale)
+        elif plan.kind == "masked":
             mask = plan.sliding if window else plan.full
             o = self.attend(q, k_all, v_all, L, mask, None)  # [B, H, T, D]
         elif plan.kind == "rows":
@@ -176,7 +186,9 @@ class Block:
             o = torch.cat(outs, dim=2)
         else:  # a single new token sees every earlier slot
             o = self.attend(q, k_all, v_all, L, None, window)
-        o = self.wo(o.transpose(1, 2).reshape(B, T, H * D))
+        if plan.kind != "kernel":
+            o = o.transpose(1, 2).reshape(B, T, H * D)
+        o = self.wo(o)
         x = x + (rms_norm(o, self.post_attention_norm, self.eps) if self.sandwich else o)
         gate, up = self.w13(rms_norm(x, self.ffn_norm, self.eps)).split(self.ffn_dim, dim=-1)
         f = self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
@@ -222,10 +234,13 @@ class Transformer:
         if args.rope_local_theta is not None:
             self.rope_local = Rope(rope_inv_freq(args.head_dim, args.rope_local_theta, None), self.max_len, dtype, dev)
         self.embed_scale = torch.tensor(args.embed_scale, dtype=dtype, device=dev)
+        self.kernel = kernels.kernel_supports(dtype, dev, args.head_dim, 1)
+        self.slot_ids = torch.arange(self.max_len)  # cache slot numbers, sliced for the kernel's per-row slot lists
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
         a = self.args
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len or self.max_len, self.dtype, self.device, batch)
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len or self.max_len, self.dtype, self.device, batch,
+                       transposed_keys=self.kernel and batch == 1)
 
     @property
     def weight_format(self) -> str:
@@ -246,6 +261,16 @@ class Transformer:
 
     def _plan(self, positions: torch.Tensor, cache: KVCache, start: int, T: int, parents: list[int] | None,
               exact: bool) -> AttentionPlan:
+        if (T == 1 or exact) and cache.kt is not None:
+            ids = self.slot_ids
+            if parents is None:  # a chain (or one token): row i ends with slots start..start+i
+                tails = [ids[start:start + i + 1] for i in range(T)]
+            else:  # a tree: the root, then each node's root-to-node path of rows
+                tails = [start + torch.tensor(p) for p in [[0]] + tree_paths(parents)]
+            full = kernels.row_spans(start, tails, None)
+            window = self.args.sliding_window
+            sliding = kernels.row_spans(start, tails, window) if window else full
+            return AttentionPlan("kernel", full, sliding)
         if T == 1:
             return AttentionPlan("single")
         if exact and parents is None:
@@ -275,7 +300,9 @@ class Transformer:
         exact: compute every row exactly as a single-token decode step would compute that token after its
         predecessors (bitwise), so verifying a draft can never disagree with plain decoding. The matmul kernels of
         the bf16 / int8 / int4 paths are batch-invariant (row i of a [T, K] x [K, N] product does not depend on T);
-        attention kernels are not, so each query attends alone (AttentionPlan "rows" / "paths")."""
+        general attention kernels are not, so attention runs in specdec/kernels/attention.c, which is (AttentionPlan
+        "kernel", also used by every decode step), or else each query attends alone (AttentionPlan "rows" /
+        "paths")."""
         T = tokens.shape[1]
         start = cache.reserve(T)
         L = start + T
@@ -290,10 +317,11 @@ class Transformer:
             positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
         for i, layer in enumerate(self.layers):
             kv, k_all, v_all = cache.kv[i], cache.k_all[i], cache.v_all[i]
+            kt = cache.kt[i] if cache.kt is not None else None
             if layer.sliding:
-                x = layer(x, rope_local, kv, k_all, v_all, start, plan, a.sliding_window)
+                x = layer(x, rope_local, kv, k_all, v_all, start, plan, a.sliding_window, kt)
             else:
-                x = layer(x, rope, kv, k_all, v_all, start, plan, None)
+                x = layer(x, rope, kv, k_all, v_all, start, plan, None, kt)
         cache.length = L
         h = rms_norm(x, self.output_norm, a.norm_eps)
         logits = self.output(h[:, -1:] if last_only else h).float()

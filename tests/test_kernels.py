@@ -1,0 +1,104 @@
+"""The attention kernel (specdec/kernels/attention.c): batch-invariant, so a verification row is bitwise the decode
+step of that token; close to PyTorch's SDPA; and a machine without it falls back to SDPA with one clear line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec import kernels
+
+pytestmark = pytest.mark.skipif(kernels.attention_lib() is None, reason="no C compiler: the kernel is not built")
+
+
+def make(H: int, Hkv: int, D: int, S: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(1, S, 2 * Hkv, D, generator=g).to(dtype)
+    kt = kernels.key_tiles(1, Hkv, D, S, dtype)[0]
+    kernels.store_keys(kv, kt, 0, S)
+    return kv, kt
+
+
+def run(qkv, kv, kt, H, Hkv, start, tails, window=None, scale=0.125):
+    spans, tail = kernels.row_spans(start, tails, window)
+    return kernels.attend(qkv, kv, kt, H, Hkv, spans, tail, scale)
+
+
+def sdpa(qkv, kv, H, Hkv, slots, scale=0.125):
+    """Reference: row r's queries over exactly the slots given, f32."""
+    outs = []
+    for r, sl in enumerate(slots):
+        q = qkv[:, r:r + 1, :H].transpose(1, 2).float()
+        k = kv[:, sl, :Hkv].transpose(1, 2).float()
+        v = kv[:, sl, Hkv:].transpose(1, 2).float()
+        outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True).transpose(1, 2))
+    return torch.cat(outs, 1).reshape(1, len(slots), -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 1, 256), (8, 2, 128), (6, 6, 32), (4, 2, 16), (10, 2, 64)])
+def test_chain_rows_equal_decode_steps_bitwise(dtype, H, Hkv, D):
+    S = 300
+    kv, kt = make(H, Hkv, D, S, dtype)
+    ids = torch.arange(S)
+    for start, T in [(0, 1), (5, 4), (31, 2), (32, 3), (95, 8), (200, 5), (250, 8), (290, 3)]:  # 256+: halves
+        qkv = torch.randn(1, T, H + 2 * Hkv, D).to(dtype)
+        batched = run(qkv, kv, kt, H, Hkv, start, [ids[start:start + i + 1] for i in range(T)])
+        for i in range(T):  # the decode step of token i: everything before it is a consecutive run
+            alone = run(qkv[:, i:i + 1].contiguous(), kv, kt, H, Hkv, start + i, [ids[start + i:start + i + 1]])
+            assert torch.equal(batched[:, i], alone[:, 0]), (start, T, i)
+        ref = sdpa(qkv, kv, H, Hkv, [ids[:start + i + 1] for i in range(T)])
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(batched.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 40, 3])
+def test_tree_paths_equal_decoding_the_path_laid_out(window):
+    """A tree node's row over the prefix plus its path's scattered slots equals decoding that node after the path was
+    compacted into consecutive slots (what KVCache.keep does on acceptance), sliding window or not."""
+    H, Hkv, D, S, start = 9, 3, 64, 400, 300  # 300 + path: a row split in halves
+    kv, kt = make(H, Hkv, D, S, torch.bfloat16)
+    path = [0, 2, 5, 7]  # rows of the tree, the root first
+    qkv = torch.randn(1, 1, H + 2 * Hkv, D).bfloat16()  # the query of node 7 (the path's last row)
+    tree = run(qkv, kv, kt, H, Hkv, start, [start + torch.tensor(path)], window)
+    lay_kv, lay_kt = kv.clone(), kt.clone()  # compact the path's slots to start, start + 1, ...
+    lay_kv[:, start:start + 4] = kv[:, [start + r for r in path]]
+    kernels.store_keys(lay_kv, lay_kt, start, start + 4)
+    last = start + len(path) - 1
+    alone = run(qkv, lay_kv, lay_kt, H, Hkv, last, [torch.tensor([last])], window)
+    assert torch.equal(tree, alone)
+    first = max(0, last + 1 - window) if window else 0
+    ref = sdpa(qkv, lay_kv, H, Hkv, [torch.arange(first, last + 1)])
+    torch.testing.assert_close(tree.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_threads_change_nothing():
+    H, Hkv, D, S = 9, 3, 64, 400
+    kv, kt = make(H, Hkv, D, S, torch.bfloat16)
+    qkv = torch.randn(1, 4, H + 2 * Hkv, D).bfloat16()
+    tails = [torch.arange(390, 391 + i) for i in range(4)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(qkv, kv, kt, H, Hkv, 390, tails)
+        torch.set_num_threads(2)
+        two = run(qkv, kv, kt, H, Hkv, 390, tails)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_without_a_compiler_attention_falls_back_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    kernels.attention_lib.cache_clear()
+    try:
+        assert kernels.attention_lib() is None
+        assert not kernels.kernel_supports(torch.bfloat16, torch.device("cpu"), 64, 1)
+        err = capsys.readouterr().err.strip().splitlines()  # "compiling ...", then why it failed and what to do
+        assert len(err) == 2 and "could not compile the attention kernel" in err[1] and "install gcc" in err[1]
+    finally:
+        kernels.attention_lib.cache_clear()
+    monkeypatch.undo()
+    assert kernels.attention_lib() is not None
