@@ -73,6 +73,14 @@ def test_tree_paths_equal_decoding_the_path_laid_out(window):
     torch.testing.assert_close(tree.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_models_use_the_kernel_only_where_it_applies():
+    cpu = torch.device("cpu")
+    assert kernels.kernel_supports(torch.bfloat16, cpu, 64) and kernels.kernel_supports(torch.float32, cpu, 256)
+    assert not kernels.kernel_supports(torch.float16, cpu, 64)  # f16: SDPA
+    assert not kernels.kernel_supports(torch.bfloat16, cpu, 48)  # a head size it is not built for
+    assert not kernels.kernel_supports(torch.bfloat16, torch.device("meta"), 64)  # not the CPU
+
+
 def test_threads_change_nothing():
     H, Hkv, D, S = 9, 3, 64, 400
     kv, kt = make(H, Hkv, D, S, torch.bfloat16)
@@ -95,7 +103,7 @@ def test_without_a_compiler_attention_falls_back_with_one_line(tmp_path, monkeyp
     kernels.attention_lib.cache_clear()
     try:
         assert kernels.attention_lib() is None
-        assert not kernels.kernel_supports(torch.bfloat16, torch.device("cpu"), 64, 1)
+        assert not kernels.kernel_supports(torch.bfloat16, torch.device("cpu"), 64)
         err = capsys.readouterr().err.strip().splitlines()  # "compiling ...", then why it failed and what to do
         assert len(err) == 2 and "could not compile the attention kernel" in err[1] and "install gcc" in err[1]
     finally:

@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use with the machine's C compiler and cached on disk.
 
 attention.c is batch-invariant attention for decode and verification steps (see its header). It is plain C called
-through ctypes: no PyTorch headers, so it compiles in about a second with any gcc or clang, and a machine without a
+through ctypes: no PyTorch headers, so it compiles in seconds (~7 s) with gcc or clang, and a machine without a
 compiler still runs (attention then falls back to PyTorch's SDPA, one call per verified row; SPECDEC_NO_KERNELS=1
 forces that fallback). The shared library is cached under $SPECDEC_CACHE (default ~/.cache/specdec), keyed by the
 source, the compiler flags and the CPU (it is built with -march=native).
@@ -72,9 +72,12 @@ def attention_lib() -> ctypes.CDLL | None:
     return dll
 
 
-def kernel_supports(dtype: torch.dtype, device: torch.device, head_dim: int, batch: int) -> bool:
-    return (device.type == "cpu" and dtype in DTYPES and head_dim % 16 == 0 and batch == 1
-            and attention_lib() is not None)
+HEAD_DIMS = (16, 32, 64, 128, 256)  # head sizes attention.c is built for
+
+
+def kernel_supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether a model with these settings attends through the kernel (else PyTorch SDPA)."""
+    return device.type == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS and attention_lib() is not None
 
 
 def row_spans(start: int, tails: list[torch.Tensor], window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +130,6 @@ def attend(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, n_heads: int, 
                                         kt.shape[1], n_heads, n_kv, D, T, p, p + 8 * T, tails.data_ptr(),
                                         p + 16 * T, scale, out.data_ptr(), DTYPES[qkv.dtype])
     if rc != 0:
-        raise MemoryError("the attention kernel ran out of memory")
+        raise MemoryError("the attention kernel ran out of memory") if rc == -1 else ValueError(f"head size {D}")
     return out
 

@@ -85,10 +85,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 class AttentionPlan:
     """How a forward's T new queries attend, decided once per forward and shared by every layer.
 
-    - "kernel": every query attends its own list of cache slots in specdec/kernels/attention.c, which computes
-      each row the same way whatever the other rows are: decode steps, exact chains and exact trees in one call;
+    - "kernel": every query attends its own cache slots in specdec/kernels/attention.c, which computes each row the
+      same way whatever the other rows are: decode steps, exact chains and exact trees, all rows in one call;
+    Without the kernel (no C compiler, GPU, f16), PyTorch's SDPA, one call per row where exactness needs it:
     - "single": T = 1, the query attends every cached slot (the plain decode step);
-    Without the kernel (no C compiler, GPU, f16), exactness falls back to one SDPA call per row:
     - "rows": an exact chain: each query attends alone over its own prefix, the very call a decode step makes;
     - "paths": an exact tree: each node attends alone over the prompt and its root-to-node path, laid out in
       consecutive slots as they will be once the path is accepted;
@@ -97,7 +97,7 @@ class AttentionPlan:
     """
 
     def __init__(self, kind: str, full=None, sliding=None, paths: list[torch.Tensor] | None = None):
-        # full / sliding: [T, L] masks ("masked"), or (slots, offsets) per row ("kernel"), for full-attention and
+        # full / sliding: [T, L] masks ("masked"), or kernels.row_spans() ("kernel"), for full-attention and
         # sliding-window layers
         self.kind, self.full, self.sliding, self.paths = kind, full, sliding, paths
 
@@ -234,7 +234,7 @@ class Transformer:
         if args.rope_local_theta is not None:
             self.rope_local = Rope(rope_inv_freq(args.head_dim, args.rope_local_theta, None), self.max_len, dtype, dev)
         self.embed_scale = torch.tensor(args.embed_scale, dtype=dtype, device=dev)
-        self.kernel = kernels.kernel_supports(dtype, dev, args.head_dim, 1)
+        self.kernel = kernels.kernel_supports(dtype, dev, args.head_dim)
         self.slot_ids = torch.arange(self.max_len)  # cache slot numbers, sliced for the kernel's per-row slot lists
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
