@@ -83,8 +83,8 @@ def kernel_supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> 
 def row_spans(start: int, tails: list[torch.Tensor], window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """What each of T rows attends, as attend() takes it: every slot before `start`, then the slots tails[r] (its
     own chain or tree path, itself last), all but the last `window` of them dropped for a sliding-window layer.
-    -> (spans [3, T]: first slot, end of the consecutive run, tail offset; then the last tail offset appended;
-    the tail slots concatenated)."""
+    -> (spans [3 T + 1]: the T rows' first slots, the T ends of their consecutive runs (all `start`), the T + 1
+    offsets of their tails in the second tensor; the tail slots, concatenated)."""
     lo, hi, cut = [], [], []
     for tail in tails:
         first = max(0, start + len(tail) - window) if window else 0

@@ -202,7 +202,7 @@ ATTEND_KERNEL(attend_bf16, uint16_t, load_bf16, store_bf16)
 
 /* All (row, head group, part) units of one call, spread over OpenMP threads (the runtime PyTorch loaded: one thread
    pool), then the parts merged; each unit is computed whole by one thread, so threading changes no result. */
-#define RUN(NAME, T_, DIM, GG)                                                                                     \
+#define RUN(NAME, T_, LD_, DIM, GG)                                                                                \
     static int run_##NAME##_##DIM##_##GG(const T_ *q, long q_stride, const T_ *kv, const T_ *kt, long tiles,     \
                                          int H, int Hkv, int T, const int64_t *lo, const int64_t *hi,              \
                                          const int64_t *tails, const int64_t *toff, float scale, T_ *out,          \
@@ -224,7 +224,7 @@ ATTEND_KERNEL(attend_bf16, uint16_t, load_bf16, store_bf16)
                 long kvh = h0 / group;                                                                             \
                 for (int g = 0; g < GG; g++)                                                                       \
                     for (int d = 0; d < DIM; d += W)                                                               \
-                        store_f32(qf + g * DIM + d, LD(NAME)(q + t * q_stride + (long)(h0 + g) * DIM + d));        \
+                        store_f32(qf + g * DIM + d, LD_(q + t * q_stride + (long)(h0 + g) * DIM + d));        \
                 NAME(kv, kt + kvh * tiles * DIM * BLOCK, Hkv, kvh, DIM, GG, lo[t], np, tails + toff[t],         \
                      half ? cut : 0, half ? n : cut, scale, s, ns, qf, tmp, parts + (long)u * GG * (DIM + 2));     \
             }                                                                                                      \
@@ -242,13 +242,9 @@ ATTEND_KERNEL(attend_bf16, uint16_t, load_bf16, store_bf16)
         free(parts);                                                                                               \
         return failed ? -1 : 0;                                                                                    \
     }
-#define LD(NAME) LD_##NAME
-#define LD_attend_f32 load_f32
-#define LD_attend_bf16 load_bf16
-#define RUNS(DIM)                                                                                                  \
-    RUN(attend_f32, float, DIM, 1) RUN(attend_f32, float, DIM, 2) RUN(attend_f32, float, DIM, 3)                   \
-    RUN(attend_f32, float, DIM, 4) RUN(attend_bf16, uint16_t, DIM, 1) RUN(attend_bf16, uint16_t, DIM, 2)           \
-    RUN(attend_bf16, uint16_t, DIM, 3) RUN(attend_bf16, uint16_t, DIM, 4)
+#define RUNS_OF(NAME, T_, LD_, DIM)                                                                                \
+    RUN(NAME, T_, LD_, DIM, 1) RUN(NAME, T_, LD_, DIM, 2) RUN(NAME, T_, LD_, DIM, 3) RUN(NAME, T_, LD_, DIM, 4)
+#define RUNS(DIM) RUNS_OF(attend_f32, float, load_f32, DIM) RUNS_OF(attend_bf16, uint16_t, load_bf16, DIM)
 RUNS(16)
 RUNS(32)
 RUNS(64)
