@@ -1,8 +1,11 @@
-"""Linear layers: plain (f32 / bf16) and weight-only int8 / int4, on PyTorch's own CPU kernels.
+"""Linear layers: plain (f32 / bf16) and weight-only int8 / int4.
 
-Decoding reads every weight once per token, so bytes per weight set the speed. The weight-only kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) want bf16 activations: with f32 activations they take a slow
-path (see MACHINE-FACTS.md), so quantized layers cast their input to bf16 and the result back.
+Decoding reads every weight once per token, so bytes per weight set the speed. Quantized layers run on specdec's
+matmul kernel (specdec/kernels/matmul.c: activations quantized to int8 per group of 32, exact integer dot products
+with AVX-512 VNNI, batch-invariant) when the CPU has it, ~2.5x faster than PyTorch's weight-only kernels at one
+token and ~2x at 8; else on PyTorch's (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which want bf16
+activations: with f32 activations they take a slow path (see MACHINE-FACTS.md), so those layers cast their input
+to bf16 and the result back.
 
 - int8: symmetric, one scale per output row (absmax / 127).
 - int4: asymmetric, one (scale, zero) per group of 32 input columns, like GGUF's Q4_1: w = (q - 8) * scale + zero.
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import kernels
 
 INT4_GROUP = 32
 
@@ -62,12 +67,17 @@ class Int8Linear(Linear):
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
         w = w.float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
-        self.weight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
         self.scale = scale.to(torch.bfloat16)  # [N]
         self.bias = b.to(torch.bfloat16) if b is not None else None  # [N]
         self.out_features = w.shape[0]
+        self.native = kernels.matmul_supports(*w.shape, w.device)
+        self.weight = kernels.pack_int8(q) if self.native else q
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if self.native:
+            y = kernels.matmul(x, 8, self.weight, self.scale, None, self.out_features)
+            return y + self.bias if self.bias is not None else y
         return _bf16_call(x, lambda x2: _int8_mm(x2, self.weight, self.scale), self.bias, self.out_features)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -84,20 +94,28 @@ class Int4Linear(Linear):
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
         scale = ((hi - lo) / 15.0).clamp(min=1e-12)
         q = torch.round((g - lo) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
-        zero = lo + 8.0 * scale  # the kernel computes (q - 8) * scale + zero
-        sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        zero = lo + 8.0 * scale  # the kernels compute (q - 8) * scale + zero
         self.group = group
-        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # packed [N, K/2] uint8
-        self.scales_zeros = sz.to(torch.bfloat16)  # [K/g, N, 2]
         self.bias = b.to(torch.bfloat16) if b is not None else None  # [N]
         self.out_features = n
+        self.native = group == kernels.GROUP and kernels.matmul_supports(n, k, w.device)
+        if self.native:  # matmul.c: codes [N/16, K/32, 4, 64], scales and zeros [N/16, K/32, 16]
+            self.weight, self.scales, self.zeros = kernels.pack_int4(q, scale.squeeze(-1), zero.squeeze(-1))
+        else:  # PyTorch's: packed [N, K/2] uint8, scales_zeros [K/g, N, 2]
+            sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1).contiguous()
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            self.scales_zeros = sz.to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if self.native:
+            y = kernels.matmul(x, 4, self.weight, self.scales, self.zeros, self.out_features)
+            return y + self.bias if self.bias is not None else y
         return _bf16_call(x, lambda x2: _int4_mm(x2, self.weight, self.group, self.scales_zeros), self.bias,
                           self.out_features)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight, self.scales_zeros, self.bias) if t is not None]
+        parts = (self.weight, self.scales, self.zeros) if self.native else (self.weight, self.scales_zeros)
+        return [t for t in (*parts, self.bias) if t is not None]
 
 
 def make_linear(w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype, quant: str,

@@ -47,8 +47,10 @@ def test_tree_attention_equals_plain_decoding_of_each_path(smollm2_default, monk
             ref, ref_cache = decode_path(m, prompt, [([root] + TOKENS)[r] for r in path])
             if exact:
                 assert torch.equal(logits[0, i + 1], ref), f"node {i}"
-            else:  # bf16 rounding differences through 30 layers: one masked SDPA call vs the attention kernel
-                torch.testing.assert_close(logits[0, i + 1], ref, atol=1.0, rtol=0)
+            else:  # bf16 rounding differences through 30 layers (one masked SDPA call vs the attention kernel, and
+                # int8 activations in the matmul kernel): up to ~1.1 on logits reaching ~40; a wrong mask moves many
+                torch.testing.assert_close(logits[0, i + 1], ref, atol=2.0, rtol=0)
+                assert logits[0, i + 1].argmax() == ref.argmax()
         if exact:  # keep one path: the cache equals the plain-decoding cache of that path, bit for bit
             path = paths(PARENTS)[6]
             cache.keep(n, [n + r for r in path])

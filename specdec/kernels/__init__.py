@@ -38,29 +38,40 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
 
 
-@functools.cache
-def attention_lib() -> ctypes.CDLL | None:
-    """The compiled attention kernel, or None (no compiler, or disabled): callers then use PyTorch's SDPA."""
-    if os.environ.get("SPECDEC_NO_KERNELS"):
+def _build(name: str, fallback: str) -> ctypes.CDLL | None:
+    """Compile (once per machine, cached) and load kernels/<name>.c, or None with one line on stderr saying what
+    is used instead (`fallback`) when there is no working C compiler. SPECDEC_NO_KERNELS=1 turns every kernel off,
+    SPECDEC_NO_KERNELS=matmul (or attention, comma-separated) only those named."""
+    off = os.environ.get("SPECDEC_NO_KERNELS", "")
+    if off == "1" or name in off.split(","):
         return None
+    source = SOURCE.with_name(f"{name}.c")
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_id()).hexdigest()[:16]
-    lib = cache_dir() / f"attention-{key}.so"
+    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_id()).hexdigest()[:16]
+    lib = cache_dir() / f"{name}-{key}.so"
     if not lib.exists():
-        print("specdec: compiling the attention kernel (once per machine, ~10 s)", file=sys.stderr, flush=True)
+        print(f"specdec: compiling the {name} kernel (once per machine, ~10 s)", file=sys.stderr, flush=True)
         try:
             lib.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
                 out = Path(tmp) / lib.name
-                subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE)], check=True, capture_output=True, timeout=120)
+                subprocess.run([cc, *FLAGS, "-o", str(out), str(source)], check=True, capture_output=True, timeout=120)
                 out.replace(lib)  # atomic: a concurrent process sees the whole file or none
         except (OSError, subprocess.SubprocessError) as e:
             err = getattr(e, "stderr", b"") or b""
             why = err.decode(errors="replace").strip().splitlines()[-1:] or [str(e)]
-            print(f"specdec: could not compile the attention kernel with '{cc}' ({why[0]}); using PyTorch SDPA, "
-                  "which makes verification slower: install gcc to get it", file=sys.stderr)
+            print(f"specdec: could not compile the {name} kernel with '{cc}' ({why[0]}); using {fallback}: "
+                  "install gcc to get it", file=sys.stderr)
             return None
-    dll = ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(lib))
+
+
+@functools.cache
+def attention_lib() -> ctypes.CDLL | None:
+    """The compiled attention kernel, or None (no compiler, or disabled): callers then use PyTorch's SDPA."""
+    dll = _build("attention", "PyTorch SDPA, which makes verification slower")
+    if dll is None:
+        return None
     f = dll.specdec_attend
     f.restype = ctypes.c_int
     ptr, i = ctypes.c_void_p, ctypes.c_int
@@ -133,3 +144,61 @@ def attend(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, n_heads: int, 
         raise MemoryError("the attention kernel ran out of memory") if rc == -1 else ValueError(f"head size {D}")
     return out
 
+
+
+@functools.cache
+def matmul_lib() -> ctypes.CDLL | None:
+    """The compiled quantized matmul kernel when this CPU runs it (AVX-512 VNNI), else None: the quantized linear
+    layers then use PyTorch's weight-only kernels."""
+    dll = _build("matmul", "PyTorch's weight-only int4/int8 kernels, which make decoding slower")
+    if dll is None or not dll.specdec_matmul_supported():
+        return None
+    f = dll.specdec_matmul
+    f.restype = ctypes.c_int
+    ptr, i = ctypes.c_void_p, ctypes.c_int
+    f.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, i]
+    return dll
+
+
+LANES, GROUP = 16, 32  # output rows per block, inputs per quantization group (matmul.c)
+
+
+def matmul_supports(n: int, k: int, device: torch.device) -> bool:
+    """Whether an [n, k] weight can run in matmul.c (CPU with the kernel, n a multiple of 16, k of 32)."""
+    return device.type == "cpu" and n % LANES == 0 and k % GROUP == 0 and matmul_lib() is not None
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """matmul.c's int4 layout from codes q [N, K] (0..15) and per-group scale, zero [N, K/32] (w = (q - 8) s + z)
+    -> (codes [N/16, K/32, 4, 64] uint8: instruction 2j in the low nibbles, 2j + 1 in the high ones; scales and
+    zeros [N/16, K/32, 16] bf16)."""
+    N, K = q.shape
+    nb, G = N // LANES, K // GROUP
+    codes = q.to(torch.uint8).reshape(nb, LANES, G, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(nb, G, 4, 2, 64)
+    packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).contiguous()
+    per_block = lambda t: t.reshape(nb, LANES, G).transpose(1, 2).to(torch.bfloat16).contiguous()  # noqa: E731
+    return packed, per_block(scale), per_block(zero)
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """matmul.c's int8 layout from codes q [N, K] (-127..127): q + 128 as [N/16, K/32, 8, 64] uint8."""
+    N, K = q.shape
+    codes = (q.to(torch.int16) + 128).to(torch.uint8)
+    return codes.reshape(N // LANES, LANES, K // GROUP, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+           n: int) -> torch.Tensor:
+    """y = x W^T for x [..., K] (f32 or bf16) and a weight packed by pack_int4 / pack_int8 -> [..., n], x's dtype."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.dtype not in DTYPES:
+        x2 = x2.float()
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=x2.dtype)
+    rc = matmul_lib().specdec_matmul(x2.data_ptr(), x2.shape[0], k, n, bits, codes.data_ptr(), scales.data_ptr(),
+                                     zeros.data_ptr() if zeros is not None else None, y.data_ptr(), DTYPES[x2.dtype])
+    if rc != 0:
+        raise MemoryError("the matmul kernel ran out of memory") if rc == -1 else ValueError(f"matmul shape {n}x{k}")
+    return y.view(*x.shape[:-1], n).to(x.dtype)

@@ -1,6 +1,9 @@
 """`python -m specdec.kernels`: build the native kernels now (make setup does) and say where they are."""
 
-from . import attention_lib
+from . import attention_lib, matmul_lib
 
 lib = attention_lib()
 print(f"attention kernel: {lib._name}" if lib else "attention kernel: not built, PyTorch SDPA will be used")
+lib = matmul_lib()
+print(f"matmul kernel: {lib._name}" if lib else "matmul kernel: not used (no compiler or no AVX-512 VNNI), PyTorch's "
+      "weight-only kernels will be")

@@ -1,0 +1,191 @@
+/* Weight-only quantized matmul y = x W^T for decode and verification steps (CPU, AVX-512 VNNI), batch-invariant.
+
+   W [N, K] is int4 (asymmetric, one scale and zero per group of 32 inputs, as GGUF Q4_1: w = (q - 8) s + z) or int8
+   (symmetric, one scale per output row: w = q s). The activations x [T, K] are quantized on the fly to int8, one
+   scale per row and group of 32 (d = max|x| / 127, as llama.cpp's Q8_1 / Q8_0 activations), so that every group's
+   products are exact integer dot products (VPDPBUSD: 64 u8 x s8 products per instruction) and only the per-group
+   rescaling is floating point:
+
+     y[t, n] = sum_g d[t, g] * (s[n, g] * (dot_g - 8 sum_g(qx)) + z[n, g] * sum_g(qx))      (int4)
+     y[t, n] = s[n] * sum_g d[t, g] * (dot_g - 128 sum_g(qx))                                 (int8)
+
+   where dot_g = sum over the group of (weight code, stored unsigned: q for int4, q + 128 for int8) * qx.
+
+   Layout: output rows in blocks of 16 (one 32-bit lane each), so no horizontal sums are needed. For a block and a
+   group, instruction i (i = 0..7) covers inputs 4i..4i+3: its 64 bytes hold, lane by lane, the 4 weight codes of
+   that lane's row; the activation operand is those 4 inputs' codes broadcast to every lane. int4 packs instruction
+   2j in the low nibbles and 2j + 1 in the high nibbles of 64 bytes (256 bytes per block and group); int8 stores them
+   as they are (512 bytes).
+
+   Batch invariance: every output (t, n) is computed by the same instructions in the same order (groups in order,
+   exact integer sums inside a group) whatever T is, however rows are blocked, and whichever thread takes its block
+   of 16 outputs; so row t of a verification forward over T tokens is bitwise the decode step of that token alone.
+   Threads (OpenMP, the runtime PyTorch loaded) split the blocks of output rows. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
+
+#define GROUP 32
+#define LANES 16
+#define ROWS 4 /* activation rows per pass over a block's weights (register blocking) */
+
+int specdec_matmul_supported(void) { return HAVE_VNNI; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Quantize x [T, K] (f32 or bf16) to int8 codes qx [T, K], scales d [T, K/32] and code sums sx [T, K/32]. */
+static void quantize_rows(const void *x, int bf16, int T, int K, int8_t *qx, float *d, int32_t *sx) {
+    int G = K / GROUP;
+    for (int t = 0; t < T; t++) {
+        for (int g = 0; g < G; g++) {
+            float v[GROUP], amax = 0.0f;
+            for (int j = 0; j < GROUP; j++) {
+                long i = (long)t * K + (long)g * GROUP + j;
+                v[j] = bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+                float a = fabsf(v[j]);
+                amax = a > amax ? a : amax;
+            }
+            float dg = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t s = 0;
+            for (int j = 0; j < GROUP; j++) {
+                int q = (int)nearbyintf(v[j] * inv);
+                q = q > 127 ? 127 : (q < -127 ? -127 : q);
+                qx[(long)t * K + (long)g * GROUP + j] = (int8_t)q;
+                s += q;
+            }
+            d[(long)t * G + g] = dg;
+            sx[(long)t * G + g] = s;
+        }
+    }
+}
+
+#if HAVE_VNNI
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline void store_out(void *out, int bf16, long i, __m512 y) {
+    if (bf16) { /* round to nearest even, as torch does */
+        __m512i u = _mm512_castps_si512(y);
+        u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                  _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    } else {
+        _mm512_storeu_ps((float *)out + i, y);
+    }
+}
+
+/* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS. */
+static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
+                              const float *d, const int32_t *sx, int K, int t0, int nt, float *acc_out) {
+    __m512 y[ROWS];
+    for (int r = 0; r < ROWS; r++) y[r] = _mm512_setzero_ps();
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *wg = w + (long)g * 256;
+        __m512i u[8];
+        for (int j = 0; j < 4; j++) {
+            __m512i p = _mm512_loadu_si512((const void *)(wg + 64 * j));
+            u[2 * j] = _mm512_and_si512(p, lo);
+            u[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
+        }
+        __m512 sg = load_bf16x16(s + (long)g * LANES), zg = load_bf16x16(z + (long)g * LANES);
+        for (int r = 0; r < nt; r++) {
+            const int8_t *q = qx + (long)(t0 + r) * K + (long)g * GROUP;
+            __m512i a = _mm512_setzero_si512();
+            for (int i = 0; i < 8; i++) {
+                int32_t b;
+                memcpy(&b, q + 4 * i, 4);
+                a = _mm512_dpbusd_epi32(a, u[i], _mm512_set1_epi32(b));
+            }
+            long gi = (long)(t0 + r) * G + g;
+            int32_t sum = sx[gi];
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(8 * sum)));
+            __m512 part = _mm512_fmadd_ps(zg, _mm512_set1_ps((float)sum), _mm512_mul_ps(sg, dot));
+            y[r] = _mm512_fmadd_ps(part, _mm512_set1_ps(d[gi]), y[r]);
+        }
+    }
+    for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, y[r]);
+}
+
+static inline void block_int8(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
+                              const int32_t *sx, int K, int t0, int nt, float *acc_out) {
+    __m512 y[ROWS];
+    for (int r = 0; r < ROWS; r++) y[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *wg = w + (long)g * 512;
+        __m512i u[8];
+        for (int i = 0; i < 8; i++) u[i] = _mm512_loadu_si512((const void *)(wg + 64 * i));
+        for (int r = 0; r < nt; r++) {
+            const int8_t *q = qx + (long)(t0 + r) * K + (long)g * GROUP;
+            __m512i a = _mm512_setzero_si512();
+            for (int i = 0; i < 8; i++) {
+                int32_t b;
+                memcpy(&b, q + 4 * i, 4);
+                a = _mm512_dpbusd_epi32(a, u[i], _mm512_set1_epi32(b));
+            }
+            long gi = (long)(t0 + r) * G + g;
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(128 * sx[gi])));
+            y[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(d[gi]), y[r]);
+        }
+    }
+    __m512 sr = load_bf16x16(s);
+    for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_mul_ps(y[r], sr));
+}
+
+#endif
+
+/* y [T, N] = x [T, K] W^T. bits: 4 or 8. w: packed codes (see the header), s / z: bf16 scales / zeros laid out
+   [N/16, K/32, 16] (int4) or s [N] (int8, z unused). x and y are bf16 when bf16 != 0, else f32.
+   Returns 0, -1 when out of memory, -2 when the shapes are not multiples of 16 rows / 32 inputs or the kernel is
+   not built for this CPU. */
+int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *w, const uint16_t *s,
+                   const uint16_t *z, void *y, int bf16) {
+#if HAVE_VNNI
+    if (K % GROUP || N % LANES || (bits != 4 && bits != 8)) return -2;
+    int G = K / GROUP, blocks = N / LANES;
+    int8_t *qx = malloc((size_t)T * K);
+    float *d = malloc(sizeof(float) * (size_t)T * G);
+    int32_t *sx = malloc(sizeof(int32_t) * (size_t)T * G);
+    if (!qx || !d || !sx) {
+        free(qx), free(d), free(sx);
+        return -1;
+    }
+    quantize_rows(x, bf16, T, K, qx, d, sx);
+    long wblock = (long)G * (bits == 4 ? 256 : 512); /* bytes of codes per block of 16 rows */
+    _Pragma("omp parallel for schedule(static)") for (int b = 0; b < blocks; b++) {
+        float acc[ROWS * LANES];
+        for (int t0 = 0; t0 < T; t0 += ROWS) {
+            int nt = T - t0 < ROWS ? T - t0 : ROWS;
+            if (bits == 4)
+                block_int4(w + b * wblock, s + (long)b * G * LANES, z + (long)b * G * LANES, G, qx, d, sx, K, t0, nt,
+                           acc);
+            else
+                block_int8(w + b * wblock, s + (long)b * LANES, G, qx, d, sx, K, t0, nt, acc);
+            for (int r = 0; r < nt; r++)
+                store_out(y, bf16, (long)(t0 + r) * N + (long)b * LANES, _mm512_loadu_ps(acc + r * LANES));
+        }
+    }
+    free(qx), free(d), free(sx);
+    return 0;
+#else
+    (void)x, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)z, (void)y, (void)bf16;
+    (void)quantize_rows;
+    return -2;
+#endif
+}

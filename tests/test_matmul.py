@@ -1,0 +1,128 @@
+"""The quantized matmul kernel (specdec/kernels/matmul.c): the packed layouts compute what the algorithm in its header
+says (checked against an independent re-statement in PyTorch), close to the dequantized weights, and batch-invariant
+(row t of a T-row product is bitwise the 1-row product of that row, whatever T and the thread count)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import kernels
+from specdec.quant import Int4Linear, Int8Linear
+
+pytestmark = pytest.mark.skipif(kernels.matmul_lib() is None, reason="no C compiler or no AVX-512 VNNI on this CPU")
+
+
+def weights(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, 5] *= 20  # an outlier column, as real layers have
+    return w
+
+
+def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations as matmul.c quantizes them: int8 codes per group of 32 with d = max|x| / 127."""
+    T, K = x.shape
+    v = x.float().reshape(T, K // 32, 32)
+    amax = v.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # (127.0 / amax rounds differently)
+    return torch.round(v * inv).clamp(-127, 127).double(), (amax / 127.0).double()  # [T, G, 32], [T, G, 1]
+
+
+def int4_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int4Linear's quantization: codes [N, G, 32], scale and zero [N, G] as bf16 values."""
+    n, k = w.shape
+    g = w.reshape(n, k // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    return q, scale.bfloat16().double(), (lo + 8.0 * scale).bfloat16().double()
+
+
+def dequant_int4(w: torch.Tensor) -> torch.Tensor:
+    q, s, z = int4_codes(w)
+    return ((q.double() - 8) * s[..., None] + z[..., None]).reshape(w.shape)
+
+
+def int8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8Linear's quantization: codes [N, K], scale [N] as bf16 values."""
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).double(), scale.bfloat16().double()
+
+
+def dequant_int8(w: torch.Tensor) -> torch.Tensor:
+    q, scale = int8_codes(w)
+    return q * scale[:, None]
+
+
+def reference_int4(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    qx, d = quantized_rows(x)
+    q, s, z = int4_codes(w)
+    dot = torch.einsum("tgj,ngj->tng", qx, q.double())  # exact integer sums
+    sx = qx.sum(-1)[:, None, :]  # [T, 1, G]
+    return (d[:, None, :, 0] * (s[None] * (dot - 8 * sx) + z[None] * sx)).sum(-1)
+
+
+def reference_int8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    qx, d = quantized_rows(x)
+    q, scale = int8_codes(w)
+    dot = torch.einsum("tgj,ngj->tng", qx, q.reshape(w.shape[0], -1, 32))
+    return (d[:, None, :, 0] * dot).sum(-1) * scale[None]
+
+
+CASES = [(Int4Linear, reference_int4, dequant_int4, 960, 576), (Int4Linear, reference_int4, dequant_int4, 576, 1536),
+         (Int8Linear, reference_int8, dequant_int8, 4096, 576), (Int8Linear, reference_int8, dequant_int8, 48, 64)]
+
+
+@pytest.mark.parametrize("cls,reference,dequantized,n,k", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_computes_its_algorithm(cls, reference, dequantized, n, k, dtype):
+    w = weights(n, k, seed=n + k)
+    lin = cls(w, None)
+    assert lin.native
+    x = (torch.randn(7, k, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
+    y = lin(x)
+    assert y.dtype == dtype and y.shape == (7, n)
+    ref = reference(x, w)
+    rounding = 2e-3 if dtype == torch.bfloat16 else 1e-5  # the output's own rounding (bf16), f32 sums otherwise
+    torch.testing.assert_close(y.double(), ref, atol=rounding * ref.abs().max().item(), rtol=rounding)
+    # and quantizing the activations costs little: close to the same weights times exact activations
+    exact = x.double() @ dequantized(w).T
+    assert (y.double() - exact).abs().max() <= 0.015 * exact.abs().max()
+
+
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+def test_rows_are_batch_invariant(cls):
+    lin = cls(weights(576, 1536, seed=3), None)
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(4)).bfloat16()
+    whole = lin(x)
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            for T in range(1, 10):
+                assert torch.equal(lin(x[:T]), whole[:T])
+                assert torch.equal(lin(x[T - 1:T]), whole[T - 1:T])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bias_and_unsupported_shapes():
+    w, b = weights(64, 96, seed=5), torch.randn(64)
+    lin = Int4Linear(w, b)
+    assert lin.native
+    x = torch.randn(3, 96).bfloat16()
+    torch.testing.assert_close(lin(x).float(), Int4Linear(w, None)(x).float() + b.bfloat16().float(), atol=0.05,
+                               rtol=0.01)
+    odd = Int8Linear(weights(40, 64, seed=6), None)  # 40 rows: not whole blocks of 16, PyTorch's kernel instead
+    assert not odd.native
+    assert odd(x[:, :64]).shape == (3, 40)
+
+
+def test_switched_off(monkeypatch):
+    monkeypatch.setenv("SPECDEC_NO_KERNELS", "matmul")
+    kernels.matmul_lib.cache_clear()
+    try:
+        assert not Int4Linear(weights(64, 64, seed=7), None).native
+    finally:
+        kernels.matmul_lib.cache_clear()
