@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--png", default=None, help="bar chart of tok/s per mode and category, and acceptance per "
                                                "draft position, to this PNG")
     b.add_argument("--no-chat", action="store_true", help="use prompts as raw text instead of the chat template")
+    b.add_argument("--ignore-eos", action="store_true", help="always generate -n tokens, past end-of-sequence "
+                                                             "(default: stop there, as Spec-Bench does)")
 
     r = sub.add_parser("roofline", help="measure this machine's bandwidth and FLOP/s and the model's forward cost "
                                         "over T tokens; predict the speedup of each draft length")

@@ -111,12 +111,13 @@ def cmd_bench(args) -> int:
 
     draft = load_model(args, "model_draft") if args.model_draft and args.peer else None
     peers = build_peers(args.peer, target, draft, args.draft_max)
-    report = run_bench(target, modes, peers, prompts, args.n_predict, args.repeats, chat=not args.no_chat)
+    report = run_bench(target, modes, peers, prompts, args.n_predict, args.repeats, chat=not args.no_chat,
+                       ignore_eos=args.ignore_eos)
     report["settings"] = {"model": str(target.path), "file_type": target.file_type, "quant": target.model.quant,
                           "dtype": str(target.model.dtype).removeprefix("torch."), "n_predict": args.n_predict,
                           "repeats": args.repeats, "prompts": args.prompts or "builtin", "category": args.category,
                           "limit": args.limit, "chat": not args.no_chat, "modes": modes_wanted, "peers": args.peer,
-                          "load_s": target.load_seconds}
+                          "ignore_eos": args.ignore_eos, "load_s": target.load_seconds}
     print_report(report)
     if args.png:
         from .plots import plot_bench
@@ -176,7 +177,10 @@ def build_modes(names: list[str], target, args) -> list[Mode]:
 
 
 def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: int, repeats: int,
-              chat: bool = True) -> dict:
+              chat: bool = True, ignore_eos: bool = False) -> dict:
+    """Every mode (and peer) on every prompt, `repeats` times, interleaved. Generation stops at end-of-sequence as
+    in Spec-Bench (tok/s = generated tokens / decode time, summed over a category's prompts), unless ignore_eos:
+    then every run generates n tokens, past the answer's end."""
     from tqdm import tqdm
 
     model, tok = target.model, target.tokenizer
@@ -196,7 +200,7 @@ def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: 
                 for m in modes:
                     proposer, policy = m.make()
                     r = generate(model, tok, x, GREEDY, max_tokens=n, proposer=proposer, draft_length=policy,
-                                 ignore_eos=True)
+                                 ignore_eos=ignore_eos)
                     cells[(m.name, i)].results.append(r)
                     bar.update(1)
                 for pe in peers:
@@ -216,7 +220,8 @@ def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: 
                     break
     peer_agreement = {}  # a peer's greedy output vs specdec's plain output (they run other kernels / precisions)
     for pe in peers:
-        same = [peer_tokens[(pe.name, i)] == cells[("plain", i)].results[0].tokens for i in range(len(prompts))
+        plain = [cells[("plain", i)].results[0].tokens for i in range(len(prompts))]  # peers run past EOS
+        same = [peer_tokens[(pe.name, i)][:len(plain[i])] == plain[i] for i in range(len(prompts))
                 if peer_tokens[(pe.name, i)] is not None]
         if same:
             peer_agreement[pe.name] = sum(same) / len(same)
