@@ -126,7 +126,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
                 finish = "context"
                 break
             # never draft past the context window or past max_tokens
-            k = min(draft_length.choose(), cache.max_len - n - 1, max_tokens - len(out) - 1) if proposer else 0
+            kind = proposer.draft_class() if hasattr(proposer, "draft_class") else None
+            k = min(draft_length.choose(kind), cache.max_len - n - 1, max_tokens - len(out) - 1) if proposer else 0
             draft = Draft()
             draft_s = 0.0
             if k > 0:
@@ -155,7 +156,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
                 depth = max(d)
             elapsed = time.perf_counter() - t
             stats.verify_s += elapsed
-            draft_length.update(depth, n_acc, elapsed, draft_s)
+            draft_length.update(depth, n_acc, elapsed, draft_s, kind)
             accepted_rows = [0] + [1 + i for i in path]
             new = [draft.tokens[i] for i in path] + [token]
             emitted = 0

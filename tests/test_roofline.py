@@ -142,6 +142,21 @@ def test_auto_k_grows_when_everything_is_accepted_and_verification_is_cheap():
     assert min(ks[100:]) >= 6
 
 
+def test_auto_k_per_draft_class():
+    """Long n-gram matches (class 8) always accepted, one-token matches (class 1) never: each class gets its own K."""
+    policy = AutoDraftLength(k_max=8, probe_every=16)
+    verify = lambda t: 0.010 * (1 + 0.1 * (t - 1))  # noqa: E731
+    for step in range(300):
+        cls = 8 if step % 2 else 1
+        k = policy.choose(cls)
+        policy.update(k, k if cls == 8 else 0, verify(k + 1), 0.0, cls)
+    assert policy.choose(8) >= 6
+    assert policy.choose(1) == 0 or policy.probing
+    assert policy.acceptance(1)[0] < 0.3 < 0.9 < policy.acceptance(8)[0]
+    # a class never seen borrows the pooled estimate
+    assert policy.acceptance(5) == policy.acceptance()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # end to end
 

@@ -189,3 +189,6 @@ def test_ngram_proposer_lookup():
     assert p.propose(2).tokens == []  # "4 7", "7" never seen before
     p.begin([5, 6, 5, 6, 5])
     assert p.propose(4).tokens == [6, 5]  # most recent earlier "6 5" / "5" continuation, cut at the context's end
+    assert p.draft_class() == 3  # the suffix "5 6 5" was seen before (n capped at ngram_max = 3)
+    p.begin([1, 2, 3, 4, 5])
+    assert p.draft_class() == 0 and p.propose(2).tokens == []

@@ -7,6 +7,11 @@ per second of spec/costmodel.py. Estimates forget old evidence exponentially, so
 drafts go from useless (free text) to excellent (a quoted list) and back. While K = 0 it probes with K = 1 now and
 then so the estimates can recover; a probe that fails doubles the wait before the next (exponential backoff, as in
 TCP retransmission), since each probe costs a verify of 2 tokens plus the proposer catching up on what it skipped.
+
+Proposers that can tell in advance how good their next draft will be (the n-gram proposer: the length of the
+context suffix it matched) pass that as a draft class: acceptance is then estimated per class, each class's counts
+shrunk toward the pooled estimate while it has few of its own, so a long match drafts long and a one-token match
+drafts little or nothing.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ class FixedDraftLength:
     def __init__(self, draft_max: int, draft_min: int = 0):
         self.draft_max, self.draft_min = draft_max, draft_min
 
-    def choose(self) -> int:
+    def choose(self, draft_class: int | None = None) -> int:
         return self.draft_max
 
-    def update(self, k: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
+    def update(self, k: int, n_accepted: int, verify_s: float, draft_s: float, draft_class: int | None = None
+               ) -> None:
         pass
 
 
@@ -36,21 +42,26 @@ class AutoDraftLength:
         self.decay, self.probe_every, self.prior = decay, probe_every, prior_acceptance
         self.probe_gap, self.probe_max = probe_every, probe_max  # plain steps before the next probe
         self.probing = False
-        # acceptance per position: exponentially weighted counts of accepted / reached
+        # acceptance per position: exponentially weighted counts of accepted / reached, pooled and per draft class
         self.acc = [0.0] * k_max
         self.seen = [0.0] * k_max
+        self.by_class: dict[int, tuple[list[float], list[float]]] = {}
         self.verify_s: dict[int, float] = {}  # T -> EMA seconds of a target forward over T tokens
         self.draft_s_per_token: float | None = None
         self.since_draft = 0
 
-    def acceptance(self) -> list[float]:
+    def acceptance(self, draft_class: int | None = None) -> list[float]:
         """Per-position acceptance estimates; a position never reached yet borrows the one before it (the prior for
-        the first), so a run of full acceptances lets K grow."""
+        the first), so a run of full acceptances lets K grow. With a draft class: that class's counts plus two
+        pseudo-observations of the pooled estimate."""
         out, prev = [], self.prior
         for a, s in zip(self.acc, self.seen, strict=True):
             prev = (a + prev) / (s + 1.0) if s > 0 else prev  # one pseudo-observation of the previous estimate
             out.append(prev)
-        return out
+        if draft_class is None or draft_class not in self.by_class:
+            return out
+        acc, seen = self.by_class[draft_class]
+        return [(a + 2.0 * pooled) / (s + 2.0) for a, s, pooled in zip(acc, seen, out, strict=True)]
 
     def forward_s(self, t: int) -> float | None:
         """Seconds of a target forward over t tokens: measured, else interpolated / extrapolated linearly from the
@@ -80,18 +91,19 @@ class AutoDraftLength:
             return 1.0 + 0.25 * (t - 1)
         return self.forward_s(t) / base
 
-    def choose(self) -> int:
+    def choose(self, draft_class: int | None = None) -> int:
         base = self.forward_s(1)
         c = self.draft_s_per_token / base if (self.draft_s_per_token is not None and base) else 0.0
-        k, _ = best_k(self.acceptance(), c, self.verify_cost, self.draft_max)
+        k, _ = best_k(self.acceptance(draft_class), c, self.verify_cost, self.draft_max)
         self.probing = k == 0 and self.since_draft >= self.probe_gap
         if self.probing:
             k = 1  # probe now and then, or the estimates could never recover
         return k
 
-    def update(self, k: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
+    def update(self, k: int, n_accepted: int, verify_s: float, draft_s: float, draft_class: int | None = None
+               ) -> None:
         """One step: a draft of k tokens (0 = none verified), n_accepted of them accepted, the target forward over
-        k + 1 tokens took verify_s seconds and drafting took draft_s."""
+        k + 1 tokens took verify_s seconds and drafting took draft_s; draft_class as choose() was given it."""
         t = k + 1
         old = self.verify_s.get(t)
         self.verify_s[t] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
@@ -105,6 +117,10 @@ class AutoDraftLength:
         per_token = draft_s / k
         self.draft_s_per_token = per_token if self.draft_s_per_token is None else (
             0.8 * self.draft_s_per_token + 0.2 * per_token)
-        for i in range(min(k, n_accepted + 1)):  # positions reached: all accepted ones and the first rejected one
-            self.acc[i] = self.decay * self.acc[i] + (1.0 if i < n_accepted else 0.0)
-            self.seen[i] = self.decay * self.seen[i] + 1.0
+        counts = [(self.acc, self.seen)]
+        if draft_class is not None:
+            counts.append(self.by_class.setdefault(draft_class, ([0.0] * self.draft_max, [0.0] * self.draft_max)))
+        for acc, seen in counts:
+            for i in range(min(k, n_accepted + 1)):  # positions reached: the accepted ones and the first rejected
+                acc[i] = self.decay * acc[i] + (1.0 if i < n_accepted else 0.0)
+                seen[i] = self.decay * seen[i] + 1.0

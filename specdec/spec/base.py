@@ -32,7 +32,10 @@ class Draft:
 
 
 class Proposer(Protocol):
-    """begin(context) once after prefill; then per step propose(k) and, after verification, accept()."""
+    """begin(context) once after prefill; then per step propose(k) and, after verification, accept().
+
+    A proposer may also have draft_class() -> int: before propose(), a label of how good the next draft is likely
+    to be (the n-gram proposer: its match length), which `--draft-max auto` keeps acceptance statistics apart by."""
 
     name: str
 
