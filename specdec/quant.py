@@ -44,8 +44,40 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         return F.linear(x, self.weight, self.bias)
 
+    def apply(self, x: torch.Tensor, norm=None, swiglu: bool = False, residual: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """The ops around a transformer's projections: [residual +] [SwiGLU of] (norm(x) W^T), where norm is an
+        RMSNorm (models.transformer.RMSNorm) and SwiGLU = silu(first half) * second half. One fused kernel call
+        where the layer has one (matmul.c), else these PyTorch ops."""
+        y = self(norm(x) if norm is not None else x)
+        if swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return y + residual if residual is not None else y
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.bias) if t is not None]
+
+
+class _Native(Linear):
+    """Quantized layers packed for specdec's matmul kernel when `native` (bits, weight = codes, scales, zeros)."""
+
+    native: bool
+    bits: int
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+
+    def _kernel(self, x: torch.Tensor, norm=None, swiglu: bool = False, residual: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return kernels.matmul(x, self.bits, self.weight, self.scales, self.zeros, self.out_features,
+                              norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
+                              swiglu, residual)
+
+    def apply(self, x: torch.Tensor, norm=None, swiglu: bool = False, residual: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        if self.native and self.bias is None and not (swiglu and self.out_features % 32):
+            return self._kernel(x, norm, swiglu, residual)
+        return super().apply(x, norm, swiglu, residual)
 
 
 def _bf16_call(x: torch.Tensor, mm, bias: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -61,14 +93,17 @@ def _bf16_call(x: torch.Tensor, mm, bias: torch.Tensor | None, n: int) -> torch.
     return y if dtype == torch.bfloat16 else y.to(dtype)
 
 
-class Int8Linear(Linear):
-    """Weight-only int8, one bf16 scale per output row, bf16 activations into `_weight_int8pack_mm`."""
+class Int8Linear(_Native):
+    """Weight-only int8, one bf16 scale per output row: specdec's matmul kernel, else bf16 activations into
+    `_weight_int8pack_mm`."""
+
+    bits = 8
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
         w = w.float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
-        self.scale = scale.to(torch.bfloat16)  # [N]
+        self.scales = scale.to(torch.bfloat16)  # [N]
         self.bias = b.to(torch.bfloat16) if b is not None else None  # [N]
         self.out_features = w.shape[0]
         self.native = kernels.matmul_supports(*w.shape, w.device)
@@ -76,17 +111,19 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if self.native:
-            y = kernels.matmul(x, 8, self.weight, self.scale, None, self.out_features)
+            y = self._kernel(x)
             return y + self.bias if self.bias is not None else y
-        return _bf16_call(x, lambda x2: _int8_mm(x2, self.weight, self.scale), self.bias, self.out_features)
+        return _bf16_call(x, lambda x2: _int8_mm(x2, self.weight, self.scales), self.bias, self.out_features)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight, self.scale, self.bias) if t is not None]
+        return [t for t in (self.weight, self.scales, self.bias) if t is not None]
 
 
-class Int4Linear(Linear):
-    """Weight-only int4, asymmetric per group of 32 (as GGUF Q4_1), bf16 activations into
-    `_weight_int4pack_mm_for_cpu`."""
+class Int4Linear(_Native):
+    """Weight-only int4, asymmetric per group of 32 (as GGUF Q4_1): specdec's matmul kernel, else bf16 activations
+    into `_weight_int4pack_mm_for_cpu`."""
+
+    bits = 4
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, group: int = INT4_GROUP):
         n, k = w.shape
@@ -108,7 +145,7 @@ class Int4Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if self.native:
-            y = kernels.matmul(x, 4, self.weight, self.scales, self.zeros, self.out_features)
+            y = self._kernel(x)
             return y + self.bias if self.bias is not None else y
         return _bf16_call(x, lambda x2: _int4_mm(x2, self.weight, self.group, self.scales_zeros), self.bias,
                           self.out_features)

@@ -126,3 +126,23 @@ def test_switched_off(monkeypatch):
         assert not Int4Linear(weights(64, 64, seed=7), None).native
     finally:
         kernels.matmul_lib.cache_clear()
+
+
+def test_fused_norm_swiglu_residual():
+    """Linear.apply in one kernel call: close to the same ops in PyTorch, and batch-invariant too."""
+    from specdec.models.transformer import RMSNorm
+
+    k, ffn = 576, 1536
+    norm = RMSNorm(1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(8)), 1e-5, torch.bfloat16)
+    w13, w2 = Int4Linear(weights(2 * ffn, k, seed=9), None), Int4Linear(weights(k, ffn, seed=10), None)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(11)).bfloat16() * 3
+    h = w13.apply(x, norm=norm, swiglu=True)
+    gate, up = w13(norm(x)).float().chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert h.shape == (6, ffn)
+    torch.testing.assert_close(h.float(), ref, atol=0.03 * ref.abs().max().item(), rtol=0.05)
+    y = w2.apply(h, residual=x)
+    torch.testing.assert_close(y.float(), x.float() + w2(h).float(), atol=0.02, rtol=0.01)
+    for T in range(1, 7):
+        assert torch.equal(w13.apply(x[T - 1:T], norm=norm, swiglu=True), h[T - 1:T])
+        assert torch.equal(w2.apply(h[:T], residual=x[:T]), y[:T])

@@ -156,7 +156,7 @@ def matmul_lib() -> ctypes.CDLL | None:
     f = dll.specdec_matmul
     f.restype = ctypes.c_int
     ptr, i = ctypes.c_void_p, ctypes.c_int
-    f.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, i]
+    f.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, i, ptr, ctypes.c_float, i, ptr]
     return dll
 
 
@@ -188,17 +188,24 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-           n: int) -> torch.Tensor:
-    """y = x W^T for x [..., K] (f32 or bf16) and a weight packed by pack_int4 / pack_int8 -> [..., n], x's dtype."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.dtype not in DTYPES:
-        x2 = x2.float()
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=x2.dtype)
-    rc = matmul_lib().specdec_matmul(x2.data_ptr(), x2.shape[0], k, n, bits, codes.data_ptr(), scales.data_ptr(),
-                                     zeros.data_ptr() if zeros is not None else None, y.data_ptr(), DTYPES[x2.dtype])
+           n: int, norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T for x [..., K] (f32 or bf16) and a weight [n, K] packed by pack_int4 / pack_int8 -> [..., n] in
+    x's dtype; fused (see matmul.c): norm (f32 [K]) RMS-normalizes x's rows first, swiglu returns
+    silu(first half) * second half [..., n / 2], residual [..., n or n / 2] is added."""
+    k, dtype = x.shape[-1], x.dtype
+    if dtype not in DTYPES:
+        x = x.float()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    n_out = n // 2 if swiglu else n
+    y = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype)
+    if residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()):
+        residual = residual.to(x.dtype).contiguous()
+    rc = matmul_lib().specdec_matmul(x.data_ptr(), x.numel() // k, k, n, bits, codes.data_ptr(), scales.data_ptr(),
+                                     zeros.data_ptr() if zeros is not None else None, y.data_ptr(), DTYPES[x.dtype],
+                                     norm.data_ptr() if norm is not None else None, eps, swiglu,
+                                     residual.data_ptr() if residual is not None else None)
     if rc != 0:
         raise MemoryError("the matmul kernel ran out of memory") if rc == -1 else ValueError(f"matmul shape {n}x{k}")
-    return y.view(*x.shape[:-1], n).to(x.dtype)
+    return y if y.dtype == dtype else y.to(dtype)

@@ -20,7 +20,12 @@
    Batch invariance: every output (t, n) is computed by the same instructions in the same order (groups in order,
    exact integer sums inside a group) whatever T is, however rows are blocked, and whichever thread takes its block
    of 16 outputs; so row t of a verification forward over T tokens is bitwise the decode step of that token alone.
-   Threads (OpenMP, the runtime PyTorch loaded) split the blocks of output rows. */
+   Threads (OpenMP, the runtime PyTorch loaded) split the blocks of output rows.
+
+   Fused around the product, so that a transformer layer is fewer small ops: an RMSNorm of each input row before it is
+   quantized (x / sqrt(mean(x^2) + eps) * w, Zhang & Sennrich 2019), and after the product either SwiGLU (the weight
+   is gate rows then up rows; the output is silu(gate) * up, both halves' blocks computed by the same thread) or a
+   residual add (y = r + x W^T). Each is per row, so batch invariance is kept. */
 
 #include <math.h>
 #include <stdint.h>
@@ -47,15 +52,31 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Quantize x [T, K] (f32 or bf16) to int8 codes qx [T, K], scales d [T, K/32] and code sums sx [T, K/32]. */
-static void quantize_rows(const void *x, int bf16, int T, int K, int8_t *qx, float *d, int32_t *sx) {
+static inline float load_one(const void *x, int bf16, long i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* Quantize x [T, K] (f32 or bf16), RMS-normalized first when norm (f32 [K]) is given, to int8 codes qx [T, K],
+   scales d [T, K/32] and code sums sx [T, K/32]. */
+static void quantize_rows(const void *x, int bf16, int T, int K, const float *norm, float eps, int8_t *qx, float *d,
+                          int32_t *sx) {
     int G = K / GROUP;
     for (int t = 0; t < T; t++) {
+        float r = 1.0f;
+        if (norm) {
+            float ss = 0.0f;
+            for (long k = 0; k < K; k++) {
+                float v = load_one(x, bf16, (long)t * K + k);
+                ss += v * v;
+            }
+            r = 1.0f / sqrtf(ss / (float)K + eps);
+        }
         for (int g = 0; g < G; g++) {
             float v[GROUP], amax = 0.0f;
             for (int j = 0; j < GROUP; j++) {
-                long i = (long)t * K + (long)g * GROUP + j;
-                v[j] = bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+                long k = (long)g * GROUP + j;
+                v[j] = load_one(x, bf16, (long)t * K + k);
+                if (norm) v[j] = v[j] * r * norm[k];
                 float a = fabsf(v[j]);
                 amax = a > amax ? a : amax;
             }
@@ -77,6 +98,34 @@ static void quantize_rows(const void *x, int bf16, int T, int K, int8_t *qx, flo
 
 static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512 load_out(const void *p, int bf16, long i) {
+    return bf16 ? load_bf16x16((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* exp(x) for x <= 0: 2^n * P(r), |r| <= ln2 / 2 (Cephes expf), relative error ~2e-7 */
+static inline __m512 exp_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* silu(g) * u = g u / (1 + exp(-g)), with exp taken of -|g| only: e = exp(-|g|), sigmoid = 1 / (1 + e) for g >= 0,
+   e / (1 + e) below */
+static inline __m512 silu_mul(__m512 g, __m512 u) {
+    __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
+    return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u);
 }
 
 static inline void store_out(void *out, int bf16, long i, __m512 y) {
@@ -148,17 +197,34 @@ static inline void block_int8(const uint8_t *w, const uint16_t *s, int G, const 
     for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_mul_ps(y[r], sr));
 }
 
+/* One block of 16 weight rows, all T rows of x: acc [T, 16]. */
+static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, int bits, int G, long b,
+                      const int8_t *qx, const float *d, const int32_t *sx, int K, int T, float *acc) {
+    long wblock = (long)G * (bits == 4 ? 256 : 512); /* bytes of codes per block of 16 rows */
+    for (int t0 = 0; t0 < T; t0 += ROWS) {
+        int nt = T - t0 < ROWS ? T - t0 : ROWS;
+        if (bits == 4)
+            block_int4(w + b * wblock, s + b * G * LANES, z + b * G * LANES, G, qx, d, sx, K, t0, nt,
+                       acc + t0 * LANES);
+        else
+            block_int8(w + b * wblock, s + b * LANES, G, qx, d, sx, K, t0, nt, acc + t0 * LANES);
+    }
+}
+
 #endif
 
-/* y [T, N] = x [T, K] W^T. bits: 4 or 8. w: packed codes (see the header), s / z: bf16 scales / zeros laid out
-   [N/16, K/32, 16] (int4) or s [N] (int8, z unused). x and y are bf16 when bf16 != 0, else f32.
-   Returns 0, -1 when out of memory, -2 when the shapes are not multiples of 16 rows / 32 inputs or the kernel is
-   not built for this CPU. */
+/* y = x [T, K] W^T, W [N, K]. bits: 4 or 8. w: packed codes (see the header), s / z: bf16 scales / zeros laid out
+   [N/16, K/32, 16] (int4) or s [N] (int8, z unused). x, y and residual are bf16 when bf16 != 0, else f32.
+   norm: f32 [K] RMSNorm weight applied to x's rows first (eps inside the root), or NULL. swiglu: y [T, N/2] =
+   silu(x Wg^T) * (x Wu^T) with Wg, Wu the first and second N/2 rows. residual: y = residual + x W^T, or NULL.
+   Returns 0, -1 when out of memory, -2 when the shapes are not multiples of 16 rows / 32 inputs (32 rows with
+   swiglu) or the kernel is not built for this CPU. */
 int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *w, const uint16_t *s,
-                   const uint16_t *z, void *y, int bf16) {
+                   const uint16_t *z, void *y, int bf16, const float *norm, float eps, int swiglu,
+                   const void *residual) {
 #if HAVE_VNNI
-    if (K % GROUP || N % LANES || (bits != 4 && bits != 8)) return -2;
-    int G = K / GROUP, blocks = N / LANES;
+    if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || (bits != 4 && bits != 8) || T < 1) return -2;
+    int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N;
     int8_t *qx = malloc((size_t)T * K);
     float *d = malloc(sizeof(float) * (size_t)T * G);
     int32_t *sx = malloc(sizeof(int32_t) * (size_t)T * G);
@@ -166,25 +232,30 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
         free(qx), free(d), free(sx);
         return -1;
     }
-    quantize_rows(x, bf16, T, K, qx, d, sx);
-    long wblock = (long)G * (bits == 4 ? 256 : 512); /* bytes of codes per block of 16 rows */
-    _Pragma("omp parallel for schedule(static)") for (int b = 0; b < blocks; b++) {
-        float acc[ROWS * LANES];
-        for (int t0 = 0; t0 < T; t0 += ROWS) {
-            int nt = T - t0 < ROWS ? T - t0 : ROWS;
-            if (bits == 4)
-                block_int4(w + b * wblock, s + (long)b * G * LANES, z + (long)b * G * LANES, G, qx, d, sx, K, t0, nt,
-                           acc);
-            else
-                block_int8(w + b * wblock, s + (long)b * LANES, G, qx, d, sx, K, t0, nt, acc);
-            for (int r = 0; r < nt; r++)
-                store_out(y, bf16, (long)(t0 + r) * N + (long)b * LANES, _mm512_loadu_ps(acc + r * LANES));
+    quantize_rows(x, bf16, T, K, norm, eps, qx, d, sx);
+    int failed = 0;
+    _Pragma("omp parallel reduction(| : failed)") {
+        float *acc = malloc(sizeof(float) * (size_t)T * LANES * 2);
+        if (!acc) failed = 1;
+        _Pragma("omp for schedule(static)") for (int b = 0; b < (swiglu ? blocks / 2 : blocks); b++) {
+            if (!acc) continue;
+            block_all(w, s, z, bits, G, b, qx, d, sx, K, T, acc);
+            if (swiglu) block_all(w, s, z, bits, G, b + blocks / 2, qx, d, sx, K, T, acc + T * LANES);
+            for (int t = 0; t < T; t++) {
+                __m512 v = _mm512_loadu_ps(acc + t * LANES);
+                if (swiglu) v = silu_mul(v, _mm512_loadu_ps(acc + (T + t) * LANES));
+                long i = (long)t * n_out + (long)b * LANES;
+                if (residual) v = _mm512_add_ps(load_out(residual, bf16, i), v);
+                store_out(y, bf16, i, v);
+            }
         }
+        free(acc);
     }
     free(qx), free(d), free(sx);
-    return 0;
+    return failed ? -1 : 0;
 #else
-    (void)x, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)z, (void)y, (void)bf16;
+    (void)x, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)z, (void)y, (void)bf16, (void)norm;
+    (void)eps, (void)swiglu, (void)residual;
     (void)quantize_rows;
     return -2;
 #endif

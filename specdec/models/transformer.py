@@ -82,6 +82,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return F.layer_norm(torch.stack([x, x.neg()], dim=-2), (2, x.shape[-1]), weight, None, eps)[..., 0, :]
 
 
+class RMSNorm:
+    """An RMSNorm's weight in both forms it is used in: [2, D] in the model dtype for rms_norm(), f32 [D] for the
+    matmul kernel, which applies it to a projection's input rows itself (Linear.apply)."""
+
+    def __init__(self, w: torch.Tensor, eps: float, dtype: torch.dtype):
+        self.twice = torch.stack([w, w]).to(dtype)
+        self.weight = w.float().contiguous()
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.twice, self.eps)
+
+
 class AttentionPlan:
     """How a forward's T new queries attend, decided once per forward and shared by every layer.
 
@@ -126,7 +139,7 @@ class Block:
         def twice(name: str) -> torch.Tensor | None:  # norm weights as rms_norm() takes them: [2, dim]
             return torch.stack([w[name], w[name]]).to(dtype) if name in w else None
 
-        self.attn_norm, self.ffn_norm = twice("attn_norm"), twice("ffn_norm")
+        self.attn_norm, self.ffn_norm = (RMSNorm(w[n], a.norm_eps, dtype) for n in ("attn_norm", "ffn_norm"))
         self.post_attention_norm = twice("post_attention_norm") if a.sandwich_norms else None
         self.post_ffw_norm = twice("post_ffw_norm") if a.sandwich_norms else None
         # q/k RMSNorm weights, one row per q head then per k head: [H + Hkv, D]
@@ -141,7 +154,7 @@ class Block:
                                               scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
 
     def tensors(self) -> list[torch.Tensor]:
-        norms = [self.attn_norm, self.ffn_norm, self.post_attention_norm, self.post_ffw_norm, self.qk_norm]
+        norms = [self.attn_norm.twice, self.ffn_norm.twice, self.post_attention_norm, self.post_ffw_norm, self.qk_norm]
         linears = [t for lin in (self.wqkv, self.wo, self.w13, self.w2) for t in lin.tensors()]
         return linears + [t for t in norms if t is not None]
 
@@ -157,7 +170,7 @@ class Block:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         L = start + T
-        qkv = self.wqkv(rms_norm(x, self.attn_norm, self.eps)).view(B, T, H + 2 * Hkv, D)
+        qkv = self.wqkv.apply(x, norm=self.attn_norm).view(B, T, H + 2 * Hkv, D)
         if self.qk_norm is not None:
             qk = rms_norm(qkv[:, :, :H + Hkv], None, self.eps) * self.qk_norm
             qkv = torch.cat([qk, qkv[:, :, H + Hkv:]], dim=2)
@@ -188,11 +201,17 @@ class Block:
             o = self.attend(q, k_all, v_all, L, None, window)
         if plan.kind != "kernel":
             o = o.transpose(1, 2).reshape(B, T, H * D)
-        o = self.wo(o)
-        x = x + (rms_norm(o, self.post_attention_norm, self.eps) if self.sandwich else o)
-        gate, up = self.w13(rms_norm(x, self.ffn_norm, self.eps)).split(self.ffn_dim, dim=-1)
-        f = self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
-        return x + (rms_norm(f, self.post_ffw_norm, self.eps) if self.sandwich else f)
+        if self.sandwich:  # Gemma: the norm comes between the projection and the residual add
+            x = x + rms_norm(self.wo(o), self.post_attention_norm, self.eps)
+        else:
+            x = self.wo.apply(o, residual=x)
+        h = self.w13.apply(x, norm=self.ffn_norm, swiglu=not self.gelu)  # [B, T, ffn] (SwiGLU) or [B, T, 2 ffn]
+        if self.gelu:
+            gate, up = h.split(self.ffn_dim, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        if self.sandwich:
+            return x + rms_norm(self.w2(h), self.post_ffw_norm, self.eps)
+        return self.w2.apply(h, residual=x)
 
 
 class Transformer:
