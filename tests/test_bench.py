@@ -17,14 +17,17 @@ def test_bench_tiny_model_end_to_end(tmp_path, capsys):
     model = write_gguf("llama", tmp_path / "t.gguf", seed=1)
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     rc = main(["bench", "-m", str(model), "--mode", "plain,ngram,draft", "-md", str(model), "-n", "12",
-               "--repeats", "1", "--draft-max", "auto,2", "--json", str(out), "--png", str(png), "--peer", "hf"])
+               "--repeats", "1", "--draft-max", "auto,2", "--json", str(out), "--png", str(png), "--peer", "hf",
+               "--ignore-eos"])
     assert rc == 0
     report = json.loads(out.read_text())
     modes = {r["mode"] for r in report["rows"]}
     assert {"plain", "ngram (K auto)", "ngram (K 2)", "draft (K auto)", "draft (K 2)", "hf", "hf prompt-lookup",
             "hf assisted"} <= modes
     assert report["mismatches"] == []  # every speculative output equals plain greedy output
-    assert report["settings"]["n_predict"] == 12 and report["machine"]["torch"]
+    assert report["settings"]["n_predict"] == 12 and report["machine"]["torch"] and report["settings"]["ignore_eos"]
+    plain = next(r for r in report["rows"] if r["category"] == "all" and r["mode"] == "plain")
+    assert plain["tokens"] == 11 * len(report["prompts"])  # past EOS: every run made all 12 tokens
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "| all | plain |" in text and "identical to plain decoding" in text
