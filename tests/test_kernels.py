@@ -73,6 +73,47 @@ def test_tree_paths_equal_decoding_the_path_laid_out(window):
     torch.testing.assert_close(tree.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start,window", [(300, None), (300, 40), (300, 3), (20, None), (20, 8)])
+def test_tree_rows_in_one_call_equal_decoding_each_path(dtype, start, window):
+    """Every node of a tree in one call (rows sharing each key tile and value row, their tails scattered), as
+    Transformer._plan lays them out: each row is bitwise the decode step of its node after its path was compacted."""
+    from specdec.spec.tree import paths
+
+    H, Hkv, D, S = 9, 3, 64, 400
+    kv, kt = make(H, Hkv, D, S, dtype)
+    parents = [-1, -1, 0, 0, 1, 2, 2, 4, 5, 7]  # depth up to 5, branches at several levels
+    rows = [[0]] + paths(parents)
+    qkv = torch.randn(1, len(rows), H + 2 * Hkv, D).to(dtype)
+    tree = run(qkv, kv, kt, H, Hkv, start, [start + torch.tensor(p) for p in rows], window)
+    for i, path in enumerate(rows):
+        lay_kv, lay_kt = kv.clone(), kt.clone()
+        lay_kv[:, start:start + len(path)] = kv[:, [start + r for r in path]]
+        kernels.store_keys(lay_kv, lay_kt, start, start + len(path))
+        last = start + len(path) - 1
+        alone = run(qkv[:, i:i + 1].contiguous(), lay_kv, lay_kt, H, Hkv, last, [torch.tensor([last])], window)
+        assert torch.equal(tree[:, i], alone[:, 0]), (i, path)
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 1, 256), (6, 6, 32)])
+def test_many_chain_rows_with_a_window_equal_decode_steps(H, Hkv, D):
+    """Up to 13 rows (more pairs than one block of shared loads holds), each over a window that starts at its own
+    slot, some rows split in halves and some not (around 256 keys): bitwise the decode steps."""
+    S = 300
+    kv, kt = make(H, Hkv, D, S, torch.bfloat16)
+    ids = torch.arange(S)
+    for start, T, window in [(40, 13, 16), (245, 13, 300), (250, 9, 258), (100, 7, 33)]:
+        qkv = torch.randn(1, T, H + 2 * Hkv, D).bfloat16()
+        batched = run(qkv, kv, kt, H, Hkv, start, [ids[start:start + i + 1] for i in range(T)], window)
+        for i in range(T):
+            alone = run(qkv[:, i:i + 1].contiguous(), kv, kt, H, Hkv, start + i, [ids[start + i:start + i + 1]],
+                        window)
+            assert torch.equal(batched[:, i], alone[:, 0]), (start, T, window, i)
+        first = [max(0, start + i + 1 - window) for i in range(T)]
+        ref = sdpa(qkv, kv, H, Hkv, [ids[first[i]:start + i + 1] for i in range(T)])
+        torch.testing.assert_close(batched.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_models_use_the_kernel_only_where_it_applies():
     cpu = torch.device("cpu")
     assert kernels.kernel_supports(torch.bfloat16, cpu, 64) and kernels.kernel_supports(torch.float32, cpu, 256)

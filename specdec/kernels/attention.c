@@ -7,22 +7,35 @@
    Machines 2025); this one is, so speculative greedy output can never differ from plain greedy output, and a
    verification over T rows costs one call, not T.
 
-   Per (row, head): s_j = scale * q . k_j, p = softmax(s) (max, then exp and sum), o = sum_j p_j v_j / sum_j p_j.
+   Per (row, head) pair: s_j = scale * q . k_j, p = softmax(s) (max, then exp and sum),
+   o = sum_j p_j v_j / sum_j p_j.
    - scores: keys are kept a second time in tiles of 32 slots, transposed (kt [Hkv, tiles, D, 32]: 4 KB read
      front to back per tile for D = 64, bf16), so 32 scores are computed together, each one chain of fused
-     multiply-adds over d = 0..D-1 in a vector lane, whichever tile or lane it lands in (keys that are not a whole
-     tile of a consecutive run, a tree path's slots among them, are first gathered into a tile);
-   - exp: a branch-free Cephes polynomial, vectorized; the softmax sum keeps 16 lanes (slot j in lane j mod 16,
-     padding adds exact zeros) and adds them pairwise in a fixed order;
-   - output: o[d] accumulates p_j v_j[d] over j in slot order, vectorized over d;
+     multiply-adds over d = 0..D-1 in a vector lane; a slot's score is the same whichever tile, lane or batch of
+     queries computes it, so any slot (a tree path's scattered tail slots too) is read from its tile in place;
+   - exp: a branch-free Cephes polynomial, vectorized; the softmax sum keeps 16 lanes (key i of the part in lane
+     i mod 16, in key order, padding masked to exact zeros) and adds them pairwise in a fixed order;
+   - output: o[d] accumulates p_j v_j[d] over the keys in key order, vectorized over d;
    - a row with SPLIT or more keys is cut in two halves at a point that depends only on its number of keys, each
-     half computed as above (its own max, sum and output), then merged (flash-decoding's split-KV): two threads share
-     one decode step, and a row's result still depends on that row alone.
-   Written with GCC/clang vector extensions; build with -O3 -march=native -ffp-contract=fast. */
+     half computed as above (its own max, sum and output), then merged (flash-decoding's split-KV): two threads
+     share one decode step, and a row's result still depends on that row alone.
+   Loads are shared, arithmetic is not: one unit of work takes every pair of a KV head (its query heads, for each of
+   a group of rows: a chain's or a tree's rows, one half of their keys), loads each key tile once for up to MAX_R
+   pairs and each value row once for up to MAX_RV pairs, and updates each pair's own accumulators with that pair's
+   own operations in its own order. So a verification over T rows costs far less than T decode steps (their keys and
+   values are read and converted once), and each row is still bitwise its decode step: the tests check that.
+   Written with GCC/clang vector extensions (fused multiply-adds explicit where the machine has them); build with
+   -O3 -march=native -ffp-contract=fast. */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #define W 16     /* floats per vector */
 #define BLOCK 32  /* keys per block of scores: two vectors */
@@ -33,6 +46,7 @@ typedef uint32_t vu __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
 typedef float vf_u __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t vu_u __attribute__((vector_size(64), aligned(2)));
 
 static inline vf load_f32(const float *p) { return *(const vf_u *)p; }
 
@@ -50,6 +64,25 @@ static inline void store_bf16(uint16_t *p, vf x) { /* round to nearest even, as 
     memcpy(&u, &x, sizeof u);
     u += 0x7FFFu + ((u >> 16) & 1u);
     *(vh *)p = __builtin_convertvector(u >> 16, vh);
+}
+
+static inline vf splat(float x) { return x - (vf){0}; } /* x in every lane (x - +0 is x, -0 included) */
+
+/* a * b + c, rounded once. Explicit where the machine has the instruction: the same (row, head) is computed by
+   different instantiations (by how many pairs share its loads, with or without a range test), and a contraction
+   left to the compiler is not guaranteed in every one of them. */
+static inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    __m256 x[2], y[2], z[2];
+    memcpy(x, &a, sizeof a), memcpy(y, &b, sizeof b), memcpy(z, &c, sizeof c);
+    x[0] = _mm256_fmadd_ps(x[0], y[0], z[0]), x[1] = _mm256_fmadd_ps(x[1], y[1], z[1]);
+    memcpy(&a, x, sizeof a);
+    return a;
+#else
+    return a * b + c; /* contracted by -ffp-contract=fast where the machine has a fused multiply-add */
+#endif
 }
 
 static inline vf vselect(vi mask, vf a, vf b) { /* mask ? a : b, lane by lane (mask lanes are 0 or -1) */
@@ -82,108 +115,257 @@ static inline vf exp_nonpos(vf x) {
     return p * two_n;
 }
 
-/* The kernel, instantiated for f32 and bf16 storage (T_ the element type, LD_ / ST_ its vector load / store), for a
-   constant head size D and a constant number G of query heads that share a KV head (processed together: each key
-   and value vector is loaded once for the G heads; each head's arithmetic is exactly what it would be alone). */
-#define ATTEND_KERNEL(NAME, T_, LD_, ST_)                                                                          \
-    static inline __attribute__((always_inline)) void block_##NAME(const float *q, const T_ *k, const int D,      \
-                                                                   const int G, float scale, float *s, long ns) {  \
-        vf a0[G], a1[G];                                                                                           \
-        for (int g = 0; g < G; g++)                                                                                \
-            a0[g] = a1[g] = (vf){0};                                                                               \
-        for (int d = 0; d < D; d++) {                                                                              \
-            vf x0 = LD_(k + d * BLOCK), x1 = LD_(k + d * BLOCK + W);                                               \
-            for (int g = 0; g < G; g++) {                                                                          \
-                a0[g] += q[g * D + d] * x0;                                                                        \
-                a1[g] += q[g * D + d] * x1;                                                                        \
+/* Two vectors from 32 consecutive elements, in an order of lanes that order_* puts back. f32: elements 0..15 and
+   16..31. bf16: the 32 elements read as 16 pairs, the low halves shifted up (elements 0, 2, ..., 30) and the high
+   halves masked (1, 3, ..., 31): one load and two cheap operations instead of two widening conversions. Every lane
+   is computed on its own, so the order of lanes changes no result. */
+static inline void pair_f32(const float *p, vf *x0, vf *x1) {
+    *x0 = load_f32(p);
+    *x1 = load_f32(p + W);
+}
+
+static inline void pair_bf16(const uint16_t *p, vf *x0, vf *x1) {
+    vu u = *(const vu_u *)p, lo = u << 16, hi = u & 0xFFFF0000u;
+    memcpy(x0, &lo, sizeof lo);
+    memcpy(x1, &hi, sizeof hi);
+}
+
+static inline void order_f32(vf *a, vf *b) { (void)a, (void)b; }
+
+static inline void order_bf16(vf *a, vf *b) { /* (even elements, odd elements) -> (0..15, 16..31) */
+    const vi m0 = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const vi m1 = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    vf x = __builtin_shuffle(*a, *b, m0), y = __builtin_shuffle(*a, *b, m1);
+    *a = x, *b = y;
+}
+
+/* CV vectors of one value row (CV = 1: 16 elements, else CV / 2 pairs) and their order put back. */
+static inline __attribute__((always_inline)) void row_f32(const float *p, vf *x, const int CV) {
+    for (int c = 0; c < CV; c++)
+        x[c] = load_f32(p + c * W);
+}
+
+static inline __attribute__((always_inline)) void row_bf16(const uint16_t *p, vf *x, const int CV) {
+    if (CV == 1)
+        x[0] = load_bf16(p);
+    else
+        for (int c = 0; c < CV; c += 2)
+            pair_bf16(p + c * W, x + c, x + c + 1);
+}
+
+#define ORDER_ROW(ORDER_, x, CV)                                                                                   \
+    do {                                                                                                           \
+        if ((CV) > 1)                                                                                              \
+            for (int c_ = 0; c_ < (CV); c_ += 2)                                                                   \
+                ORDER_((x) + c_, (x) + c_ + 1);                                                                    \
+    } while (0)
+
+/* What one unit of work (a KV head, a half, a group of rows) computes for one of its (row, query head) pairs: the
+   keys of its part are the slots a .. b - 1 (a stretch of its consecutive run), then ntail slots tail[0..ntail). */
+typedef struct {
+    const void *q; /* its query [D], in storage type */
+    long a, b, ntail;
+    const int64_t *tail;
+    float *s;    /* scores by slot: s[slot - base], for the slots of the unit's interval */
+    float *p;    /* the part's scores in key order (into s when there is no tail), then exp(s - max) */
+    float *part; /* [D + 2]: max, sum, then sum_j exp(s_j - max) v_j */
+} rowhead;
+
+#define MAX_R 12 /* (row, head) pairs whose scores are computed together: 24 accumulators */
+#define MAX_RV 6 /* pairs whose outputs are accumulated together: 24 accumulators for 64 columns */
+
+/* The kernel, instantiated for f32 and bf16 storage (T_ the element type, LD_ / ST_ its vector load / store,
+   PAIR_ / ORDER_ / ROW_ as above); its inner loops for a constant number R of (row, head) pairs that share a KV
+   head and so each key tile and value row loaded (one instantiation for each R, dispatched at run time). */
+#define ATTEND_KERNEL(NAME, T_, LD_, ST_, PAIR_, ORDER_, ROW_)                                                     \
+    /* 32 scores (one tile kt [D, 32]) for R queries qt [D][R] -> s[r][at .. at + 32) */                           \
+    static inline __attribute__((always_inline)) void scores_##NAME(const int R, const float *qt, const T_ *kt,    \
+                                                                    int D, float scale, rowhead *rh, long at) {    \
+        vf a0[MAX_R], a1[MAX_R]; /* fixed sizes (not R): kept in registers */                                      \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) a0[r] = a1[r] = (vf){0};                              \
+        for (int d = 0; d < D; d++, qt += R) {                                                                     \
+            vf x0, x1;                                                                                             \
+            PAIR_(kt + d * BLOCK, &x0, &x1);                                                                       \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                 \
+                a0[r] = fmadd(splat(qt[r]), x0, a0[r]);                                                            \
+                a1[r] = fmadd(splat(qt[r]), x1, a1[r]);                                                            \
             }                                                                                                      \
         }                                                                                                          \
-        for (int g = 0; g < G; g++) {                                                                              \
-            store_f32(s + g * ns, a0[g] * scale);                                                                  \
-            store_f32(s + g * ns + W, a1[g] * scale);                                                              \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                     \
+            ORDER_(&a0[r], &a1[r]);                                                                                \
+            store_f32(rh[r].s + at, a0[r] * scale);                                                                \
+            store_f32(rh[r].s + at + W, a1[r] * scale);                                                            \
         }                                                                                                          \
     }                                                                                                              \
                                                                                                                    \
-    /* Keys j0 <= j < j1 of row t (j < np: slot lo + j of the consecutive run, then tail[j - np]) for heads        \
-       h0..h0+G-1 -> part: per head its max, its sum of exp(s - max), then sum_j exp(s_j - max) v_j [D]. */        \
-    static inline __attribute__((always_inline)) void NAME(                                                        \
-        const T_ *kv, const T_ *kth, int Hkv, long kvh, const int D, const int G, long lo, long np,   \
-        const int64_t *tail, long j0, long j1, float scale, float *s, long ns, float *qf, T_ *tmp, float *part) {  \
-        const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                                    \
-        long slot_stride = 2L * Hkv * D, n = j1 - j0, padded = (n + BLOCK - 1) / BLOCK * BLOCK;                    \
-        float sc[G * BLOCK];                                                                                       \
-        /* whole tiles inside this part of the consecutive run are read in place */                                \
-        long rlo = lo + j0, rhi = lo + (j1 < np ? j1 : np);                                                        \
-        rhi = rhi > rlo ? rhi : rlo;                                                                               \
-        long a = (rlo + BLOCK - 1) / BLOCK * BLOCK, b = rhi / BLOCK * BLOCK;                                       \
-        if (a > b)                                                                                                 \
-            a = b = rhi;                                                                                           \
-        for (long x = a; x < b; x += BLOCK) {                                                                      \
-            for (int c = 0; c < D * BLOCK * (int)sizeof(T_); c += 64) /* the next tile */                         \
-                __builtin_prefetch((const char *)(kth + (x / BLOCK + 1) * D * BLOCK) + c);                         \
-            block_##NAME(qf, kth + x / BLOCK * D * BLOCK, D, G, scale, s + x - rlo, ns);                           \
+    /* One value row (CV vectors from v) into R accumulators acc[r * CV + c], weighted by pr[r][j]; only = 1:      \
+       every pair, else only those whose slot range [ra[r], rb[r]) holds j. */                                     \
+    static inline __attribute__((always_inline)) void step_##NAME(const int R, const int CV, vf *acc, const T_ *v, \
+                                                                  const float **pr, const long *ra,                \
+                                                                  const long *rb, long j, int only) {              \
+        vf x[4];                                                                                                   \
+        ROW_(v, x, CV);                                                                                            \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) if (only || (j >= ra[r] && j < rb[r]))                \
+            _Pragma("GCC unroll 16") for (int c = 0; c < CV; c++)                                                  \
+                acc[r * CV + c] = fmadd(splat(pr[r][j]), x[c], acc[r * CV + c]);                                   \
+    }                                                                                                              \
+                                                                                                                   \
+    /* Columns col .. col + 16 CV of sum_j p_j v_j for R pairs: their run slots in slot order (the slots every     \
+       pair attends without a test), then each pair's tail slots in order. */                                      \
+    static inline __attribute__((always_inline)) void values_##NAME(const int R, const int CV, const T_ *v,        \
+                                                                    long stride, rowhead *rh, int col) {           \
+        vf acc[MAX_RV * 4];                                                                                        \
+        const float *pr[MAX_RV]; /* pr[r][j]: pair r's weight of slot j */                                         \
+        long ra[MAX_RV], rb[MAX_RV], lo = 1L << 62, hi = 0, all0 = 0, all1 = 1L << 62;                             \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                     \
+            _Pragma("GCC unroll 16") for (int c = 0; c < CV; c++) acc[r * CV + c] = (vf){0};                       \
+            ra[r] = rh[r].a, rb[r] = rh[r].b, pr[r] = rh[r].p - rh[r].a;                                           \
+            if (ra[r] < rb[r]) {                                                                                   \
+                lo = ra[r] < lo ? ra[r] : lo, hi = rb[r] > hi ? rb[r] : hi;                                        \
+                all0 = ra[r] > all0 ? ra[r] : all0, all1 = rb[r] < all1 ? rb[r] : all1;                            \
+            } else                                                                                                 \
+                all0 = all1 = 0; /* a pair without run slots: test every slot */                                   \
         }                                                                                                          \
-        /* the other keys (the run's ragged ends, then tail slots) are gathered into a tile, BLOCK at a time */     \
-        long ra = a - rlo, rb = rhi - b, rest = n - (b - a);                                                       \
-        for (long r0 = 0; r0 < rest; r0 += BLOCK) {                                                                \
-            long at[BLOCK];                                                                                        \
-            for (long c = 0; c < BLOCK; c++) {                                                                     \
-                long r = r0 + c, i = r < ra ? r : r < ra + rb ? b - a + r : r + (b - a); /* index in the part */   \
-                long slot = r >= rest ? -1 : j0 + i < np ? lo + j0 + i : tail[j0 + i - np];                        \
-                at[c] = r < rest ? i : -1;                                                                         \
-                for (int d = 0; d < D; d++)                                                                        \
-                    tmp[d * BLOCK + c] = slot >= 0 ? kth[slot / BLOCK * D * BLOCK + d * BLOCK + slot % BLOCK] : 0; \
+        if (all0 >= all1)                                                                                          \
+            all0 = all1 = hi;                                                                                      \
+        v += col;                                                                                                  \
+        long j = lo;                                                                                               \
+        for (; j < all0; j++)                                                                                      \
+            step_##NAME(R, CV, acc, v + j * stride, pr, ra, rb, j, 0);                                             \
+        for (; j < all1; j++) {                                                                                    \
+            for (int c = 0; c < CV * W * (int)sizeof(T_); c += 64) /* 16 slots ahead: cut memory latency */        \
+                __builtin_prefetch((const char *)(v + (j + 16) * stride) + c);                                     \
+            step_##NAME(R, CV, acc, v + j * stride, pr, ra, rb, j, 1);                                             \
+        }                                                                                                          \
+        for (; j < hi; j++)                                                                                        \
+            step_##NAME(R, CV, acc, v + j * stride, pr, ra, rb, j, 0);                                             \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                     \
+            const float *p = rh[r].p + (rb[r] - ra[r]);                                                            \
+            for (long i = 0; i < rh[r].ntail; i++) {                                                               \
+                vf x[4];                                                                                           \
+                ROW_(v + rh[r].tail[i] * stride, x, CV);                                                           \
+                _Pragma("GCC unroll 16") for (int c = 0; c < CV; c++)                                              \
+                    acc[r * CV + c] = fmadd(splat(p[i]), x[c], acc[r * CV + c]);                                   \
             }                                                                                                      \
-            block_##NAME(qf, tmp, D, G, scale, sc, BLOCK);                                                         \
-            for (long c = 0; c < BLOCK && at[c] >= 0; c++)                                                         \
-                for (int g = 0; g < G; g++)                                                                        \
-                    s[g * ns + at[c]] = sc[g * BLOCK + c];                                                         \
+            ORDER_ROW(ORDER_, acc + r * CV, CV);                                                                   \
+            _Pragma("GCC unroll 16") for (int c = 0; c < CV; c++)                                                  \
+                store_f32(rh[r].part + 2 + col + c * W, acc[r * CV + c]);                                          \
         }                                                                                                          \
-        for (int g = 0; g < G; g++) { /* exp(s - max) in place, and its sum */                                     \
-            float *sg = s + g * ns;                                                                                \
+    }                                                                                                              \
+                                                                                                                   \
+    /* The instantiations for each R, dispatched at run time */                                                    \
+    static void scores_any_##NAME(int R, const float *qt, const T_ *kt, int D, float scale, rowhead *rh,           \
+                                  long at) {                                                                       \
+        switch (R) {                                                                                               \
+        case 1: scores_##NAME(1, qt, kt, D, scale, rh, at); break;                                                 \
+        case 2: scores_##NAME(2, qt, kt, D, scale, rh, at); break;                                                 \
+        case 3: scores_##NAME(3, qt, kt, D, scale, rh, at); break;                                                 \
+        case 4: scores_##NAME(4, qt, kt, D, scale, rh, at); break;                                                 \
+        case 5: scores_##NAME(5, qt, kt, D, scale, rh, at); break;                                                 \
+        case 6: scores_##NAME(6, qt, kt, D, scale, rh, at); break;                                                 \
+        case 7: scores_##NAME(7, qt, kt, D, scale, rh, at); break;                                                 \
+        case 8: scores_##NAME(8, qt, kt, D, scale, rh, at); break;                                                 \
+        case 9: scores_##NAME(9, qt, kt, D, scale, rh, at); break;                                                 \
+        case 10: scores_##NAME(10, qt, kt, D, scale, rh, at); break;                                               \
+        case 11: scores_##NAME(11, qt, kt, D, scale, rh, at); break;                                               \
+        default: scores_##NAME(12, qt, kt, D, scale, rh, at); break;                                               \
+        }                                                                                                          \
+    }                                                                                                              \
+    static void values_cv_##NAME(const int CV, int R, const T_ *v, long stride, rowhead *rh, int col) {            \
+        switch (R) {                                                                                               \
+        case 1: values_##NAME(1, CV, v, stride, rh, col); break;                                                   \
+        case 2: values_##NAME(2, CV, v, stride, rh, col); break;                                                   \
+        case 3: values_##NAME(3, CV, v, stride, rh, col); break;                                                   \
+        case 4: values_##NAME(4, CV, v, stride, rh, col); break;                                                   \
+        case 5: values_##NAME(5, CV, v, stride, rh, col); break;                                                   \
+        default: values_##NAME(6, CV, v, stride, rh, col); break;                                                  \
+        }                                                                                                          \
+    }                                                                                                              \
+    static void values_any_##NAME(int R, const T_ *v, long stride, rowhead *rh, int D) {                           \
+        if (D == 16)                                                                                               \
+            values_cv_##NAME(1, R, v, stride, rh, 0);                                                              \
+        else if (D == 32)                                                                                          \
+            values_cv_##NAME(2, R, v, stride, rh, 0);                                                              \
+        else                                                                                                       \
+            for (int col = 0; col < D; col += 4 * W)                                                               \
+                values_cv_##NAME(4, R, v, stride, rh, col);                                                        \
+    }                                                                                                              \
+                                                                                                                   \
+    /* One unit: its nr pairs rh (each query, keys and part set) over KV head kvh; scratch qt: MAX_R * D floats */ \
+    static void unit_##NAME(rowhead *rh, int nr, const T_ *kv, const T_ *kth, int Hkv, long kvh, int D,            \
+                            float scale, long base, float *qt) {                                                   \
+        /* scores, MAX_R pairs at a time, each tile that holds one of their slots loaded once for all of them */   \
+        for (int r0 = 0; r0 < nr; r0 += MAX_R) {                                                                   \
+            int R = nr - r0 < MAX_R ? nr - r0 : MAX_R;                                                             \
+            long first = 1L << 62, last = -1;                                                                      \
+            for (int r = r0; r < r0 + R; r++) {                                                                    \
+                if (rh[r].a < rh[r].b)                                                                             \
+                    first = rh[r].a < first ? rh[r].a : first, last = rh[r].b - 1 > last ? rh[r].b - 1 : last;     \
+                for (long i = 0; i < rh[r].ntail; i++)                                                             \
+                    first = rh[r].tail[i] < first ? rh[r].tail[i] : first,                                         \
+                    last = rh[r].tail[i] > last ? rh[r].tail[i] : last;                                            \
+                for (int d = 0; d < D; d += W) /* the queries in f32, transposed: qt[d][r] */                      \
+                    for (int l = 0; l < W; l++)                                                                    \
+                        qt[(d + l) * R + r - r0] = LD_((const T_ *)rh[r].q + d)[l];                                \
+            }                                                                                                      \
+            for (long x = first / BLOCK; x <= last / BLOCK; x++) {                                                 \
+                for (int c = 0; c < D * BLOCK * (int)sizeof(T_); c += 64) /* the next tile */                      \
+                    __builtin_prefetch((const char *)(kth + (x + 1) * D * BLOCK) + c);                             \
+                if (r0 == 0) /* and the next tile's value rows, into L2 for the outputs: memory bound at T = 1 */  \
+                    for (long j = (x + 1) * BLOCK; j < (x + 2) * BLOCK; j++)                                       \
+                        for (int c = 0; c < D * (int)sizeof(T_); c += 64)                                          \
+                            __builtin_prefetch((const char *)(kv + j * 2L * Hkv * D + (Hkv + kvh) * D) + c, 0, 2); \
+                scores_any_##NAME(R, qt, kth + x * D * BLOCK, D, scale, rh + r0, x * BLOCK - base);                \
+            }                                                                                                      \
+        }                                                                                                          \
+        /* per pair: its scores in key order, their max, exp(s - max) in place and its sum */                      \
+        const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                                    \
+        for (int r = 0; r < nr; r++) {                                                                             \
+            long run = rh[r].b - rh[r].a, n = run + rh[r].ntail, full = n / W * W;                                 \
+            float *sg = rh[r].p;                                                                                   \
+            if (rh[r].ntail) { /* a tree path: its run's scores, then its tail's, into their own buffer */         \
+                memcpy(sg, rh[r].s + rh[r].a - base, sizeof(float) * run);                                         \
+                for (long i = 0; i < rh[r].ntail; i++)                                                             \
+                    sg[run + i] = rh[r].s[rh[r].tail[i] - base];                                                   \
+            }                                                                                                      \
             vf mv = (vf){0} - 3.0e38f;                                                                             \
-            for (long j = 0; j < padded; j += W) { /* the max (order-free), padding masked out */                  \
-                vf x = vselect(iota + (float)j < (float)n, load_f32(sg + j), mv);                                  \
+            vi tail = iota + (float)full < (float)n; /* the keys of the last, partial vector */                    \
+            for (long j = 0; j < full; j += W) { /* the max (order-free) */                                        \
+                vf x = load_f32(sg + j);                                                                           \
+                mv = vselect(x > mv, x, mv);                                                                       \
+            }                                                                                                      \
+            if (full < n) { /* padding masked out */                                                               \
+                vf x = vselect(tail, load_f32(sg + full), mv);                                                     \
                 mv = vselect(x > mv, x, mv);                                                                       \
             }                                                                                                      \
             float m = mv[0];                                                                                       \
             for (int l = 1; l < W; l++)                                                                            \
                 m = mv[l] > m ? mv[l] : m;                                                                         \
             vf sum = {0};                                                                                          \
-            for (long j = 0; j < padded; j += W) {                                                                 \
-                vf e = vselect(iota + (float)j < (float)n, exp_nonpos(load_f32(sg + j) - m), (vf){0});             \
+            for (long j = 0; j < full; j += W) {                                                                   \
+                vf e = exp_nonpos(load_f32(sg + j) - m);                                                           \
                 store_f32(sg + j, e);                                                                              \
+                sum += e;                                                                                          \
+            }                                                                                                      \
+            if (full < n) {                                                                                        \
+                vf e = vselect(tail, exp_nonpos(load_f32(sg + full) - m), (vf){0});                                \
+                store_f32(sg + full, e);                                                                           \
                 sum += e;                                                                                          \
             }                                                                                                      \
             for (int w = W / 2; w > 0; w /= 2)                                                                     \
                 for (int l = 0; l < w; l++)                                                                        \
                     sum[l] += sum[l + w];                                                                          \
-            part[g * (D + 2)] = m;                                                                                 \
-            part[g * (D + 2) + 1] = sum[0];                                                                        \
+            rh[r].part[0] = m;                                                                                     \
+            rh[r].part[1] = sum[0];                                                                                \
         }                                                                                                          \
-        vf acc[G][D / W];                                                                                          \
-        for (int g = 0; g < G; g++)                                                                                \
-            for (int c = 0; c < D / W; c++)                                                                        \
-                acc[g][c] = (vf){0};                                                                               \
-        for (long i = 0; i < n; i++) {                                                                             \
-            long slot = j0 + i < np ? lo + j0 + i : tail[j0 + i - np];                                             \
-            const T_ *v = kv + slot * slot_stride + (Hkv + kvh) * D;                                               \
-            for (int c = 0; c < D * (int)sizeof(T_); c += 64) /* 8 slots ahead: cut memory latency */              \
-                __builtin_prefetch((const char *)(v + 8 * slot_stride) + c);                                       \
-            for (int c = 0; c < D / W; c++) {                                                                      \
-                vf x = LD_(v + c * W);                                                                             \
-                for (int g = 0; g < G; g++)                                                                        \
-                    acc[g][c] += s[g * ns + i] * x;                                                                \
-            }                                                                                                      \
-        }                                                                                                          \
-        for (int g = 0; g < G; g++)                                                                                \
-            for (int c = 0; c < D / W; c++)                                                                        \
-                store_f32(part + g * (D + 2) + 2 + c * W, acc[g][c]);                                              \
+        /* outputs, MAX_RV pairs at a time, each value row loaded once for all of them */                          \
+        long stride = 2L * Hkv * D;                                                                                \
+        for (int r0 = 0; r0 < nr; r0 += MAX_RV)                                                                    \
+            values_any_##NAME(nr - r0 < MAX_RV ? nr - r0 : MAX_RV, kv + (Hkv + kvh) * D, stride, rh + r0, D);      \
     }                                                                                                              \
                                                                                                                    \
     /* One head's output from its parts: o = acc / sum for one part; for two, rescaled to their common max. */     \
-    static inline __attribute__((always_inline)) void merge_##NAME(const float *p0, const float *p1, const int D,  \
-                                                                   T_ *o) {                                        \
+    static inline void merge_##NAME(const float *p0, const float *p1, const int D, T_ *o) {                        \
         if (!p1) {                                                                                                 \
             float inv = 1.0f / p0[1];                                                                              \
             for (int c = 0; c < D / W; c++)                                                                        \
@@ -192,98 +374,156 @@ static inline vf exp_nonpos(vf x) {
         }                                                                                                          \
         float m = p0[0] > p1[0] ? p0[0] : p1[0];                                                                   \
         vf e = exp_nonpos((vf){p0[0] - m, p1[0] - m});                                                             \
-        float inv = 1.0f / (p0[1] * e[0] + p1[1] * e[1]);                                                         \
+        float inv = 1.0f / (p0[1] * e[0] + p1[1] * e[1]);                                                          \
         for (int c = 0; c < D / W; c++)                                                                            \
             ST_(o + c * W, (load_f32(p0 + 2 + c * W) * e[0] + load_f32(p1 + 2 + c * W) * e[1]) * inv);             \
     }
 
-ATTEND_KERNEL(attend_f32, float, load_f32, store_f32)
-ATTEND_KERNEL(attend_bf16, uint16_t, load_bf16, store_bf16)
+ATTEND_KERNEL(attend_f32, float, load_f32, store_f32, pair_f32, order_f32, row_f32)
+ATTEND_KERNEL(attend_bf16, uint16_t, load_bf16, store_bf16, pair_bf16, order_bf16, row_bf16)
 
-/* All (row, head group, part) units of one call, spread over OpenMP threads (the runtime PyTorch loaded: one thread
-   pool), then the parts merged; each unit is computed whole by one thread, so threading changes no result. */
-#define RUN(NAME, T_, LD_, DIM, GG)                                                                                \
-    static int run_##NAME##_##DIM##_##GG(const T_ *q, long q_stride, const T_ *kv, const T_ *kt, long tiles,     \
-                                         int H, int Hkv, int T, const int64_t *lo, const int64_t *hi,              \
-                                         const int64_t *tails, const int64_t *toff, float scale, T_ *out,          \
-                                         long ns) {                                                                \
-        int per_row = H / GG, units = T * per_row * 2, failed = 0, group = H / Hkv;                                \
-        float *parts = malloc(sizeof(float) * units * GG * (DIM + 2));                                             \
-        if (!parts)                                                                                                \
-            return -1;                                                                                             \
-        _Pragma("omp parallel reduction(| : failed)") {                                                            \
-            float *s = malloc(sizeof(float) * ns * GG), *qf = malloc(sizeof(float) * DIM * GG);                    \
-            T_ *tmp = malloc(sizeof(T_) * DIM * BLOCK);                                                            \
-            failed = !s || !qf || !tmp;                                                                            \
-            _Pragma("omp for schedule(static)") for (int u = 0; u < units; u++) {                                  \
-                int t = u / (per_row * 2), h0 = u / 2 % per_row * GG, half = u % 2;                                \
-                long np = hi[t] - lo[t], n = np + toff[t + 1] - toff[t];                                           \
-                long cut = n >= SPLIT ? n / 2 : n; /* depends on the row's own length only */                      \
-                if (failed || (half && cut == n))                                                                  \
-                    continue;                                                                                      \
-                long kvh = h0 / group;                                                                             \
-                for (int g = 0; g < GG; g++)                                                                       \
-                    for (int d = 0; d < DIM; d += W)                                                               \
-                        store_f32(qf + g * DIM + d, LD_(q + t * q_stride + (long)(h0 + g) * DIM + d));        \
-                NAME(kv, kt + kvh * tiles * DIM * BLOCK, Hkv, kvh, DIM, GG, lo[t], np, tails + toff[t],         \
-                     half ? cut : 0, half ? n : cut, scale, s, ns, qf, tmp, parts + (long)u * GG * (DIM + 2));     \
-            }                                                                                                      \
-            free(s), free(qf), free(tmp);                                                                          \
-            _Pragma("omp for schedule(static)") for (int u = 0; u < units; u += 2) {                               \
-                int t = u / (per_row * 2), h0 = u / 2 % per_row * GG;                                              \
-                long n = hi[t] - lo[t] + toff[t + 1] - toff[t];                                                    \
-                for (int g = 0; g < GG; g++) {                                                                     \
-                    const float *p0 = parts + ((long)u * GG + g) * (DIM + 2);                                      \
-                    const float *p1 = n >= SPLIT ? parts + ((long)(u + 1) * GG + g) * (DIM + 2) : 0;               \
-                    merge_##NAME(p0, p1, DIM, out + ((long)t * H + h0 + g) * DIM);                                 \
-                }                                                                                                  \
-            }                                                                                                      \
-        }                                                                                                          \
-        free(parts);                                                                                               \
-        return failed ? -1 : 0;                                                                                    \
+/* Scratch that lives as long as its thread (OpenMP's pool threads live as long as the process): grown, never
+   shrunk, so a call allocates nothing once warm. */
+static void *grow(void **buf, size_t *size, size_t need) {
+    if (need > *size) {
+        free(*buf);
+        *buf = aligned_alloc(64, (need + 63) / 64 * 64);
+        *size = *buf ? need : 0;
     }
-#define RUNS_OF(NAME, T_, LD_, DIM)                                                                                \
-    RUN(NAME, T_, LD_, DIM, 1) RUN(NAME, T_, LD_, DIM, 2) RUN(NAME, T_, LD_, DIM, 3) RUN(NAME, T_, LD_, DIM, 4)
-#define RUNS(DIM) RUNS_OF(attend_f32, float, load_f32, DIM) RUNS_OF(attend_bf16, uint16_t, load_bf16, DIM)
-RUNS(16)
-RUNS(32)
-RUNS(64)
-RUNS(128)
-RUNS(256)
+    return *buf;
+}
+static __thread void *call_buf, *unit_buf;
+static __thread size_t call_size, unit_size;
+
+/* Row t's keys: n in all, split at cut (n when it is not split); the first run of them are the consecutive slots
+   lo .. lo + run - 1 (the tails that continue hi .. are counted in: a chain's row is one run), the rest the slots
+   tail[0 .. n - run). */
+typedef struct {
+    long lo, n, cut, run;
+    const int64_t *tail;
+} rowinfo;
+
+/* Row ri's part half (0: keys 0 .. cut - 1, 1: cut .. n - 1) as a rowhead's a, b, ntail, tail; 0 if it has none. */
+static int row_part(const rowinfo *ri, int half, rowhead *rh) {
+    if (half && ri->cut == ri->n)
+        return 0;
+    long k0 = half ? ri->cut : 0, k1 = half ? ri->n : ri->cut, run = ri->run;
+    rh->a = ri->lo + (k0 < run ? k0 : run);
+    rh->b = ri->lo + (k1 < run ? k1 : run);
+    rh->ntail = k1 > run ? k1 - (k0 > run ? k0 : run) : 0;
+    rh->tail = ri->tail + (k0 > run ? k0 - run : 0);
+    return 1;
+}
+
+/* One unit: the heads of KV head kvh, for rows t0 .. t1 - 1 (those that have part half) -> their parts. Returns -1
+   when memory runs out. */
+static int run_unit(const void *q, long q_stride, const void *kv, const void *kt, long tiles, int H, int Hkv, int D,
+                    const rowinfo *rows, int t0, int t1, int kvh, int half, float scale, float *parts, int bf16) {
+    int group = H / Hkv, nr = 0;
+    long first = 1L << 62, last = -1, longest = 0; /* the slots the pairs' keys span, the most keys of a pair */
+    for (int t = t0; t < t1; t++) {
+        rowhead x;
+        if (!row_part(rows + t, half, &x))
+            continue;
+        if (x.a < x.b)
+            first = x.a < first ? x.a : first, last = x.b - 1 > last ? x.b - 1 : last;
+        for (long i = 0; i < x.ntail; i++)
+            first = x.tail[i] < first ? x.tail[i] : first, last = x.tail[i] > last ? x.tail[i] : last;
+        longest = x.b - x.a + x.ntail > longest ? x.b - x.a + x.ntail : longest;
+        nr += group;
+    }
+    /* per pair: scores by slot over [base, base + span) (whole tiles, and room for the padding of exp), then room
+       for its scores in key order when it has tail slots */
+    long base = first / BLOCK * BLOCK, span = (last / BLOCK + 1) * BLOCK - base + W;
+    long plen = (longest + W - 1) / W * W;
+    size_t head = (sizeof(rowhead) * nr + 63) / 64 * 64;
+    char *buf = grow(&unit_buf, &unit_size, head + sizeof(float) * (MAX_R * D + nr * (span + plen)));
+    if (!buf)
+        return -1;
+    rowhead *rh = (rowhead *)buf;
+    float *qt = (float *)(buf + head), *mem = qt + MAX_R * D;
+    size_t esize = bf16 ? 2 : 4;
+    int r = 0;
+    for (int t = t0; t < t1; t++) {
+        rowhead x;
+        if (!row_part(rows + t, half, &x))
+            continue;
+        for (int h = kvh * group; h < (kvh + 1) * group; h++, r++) {
+            rh[r] = x;
+            rh[r].q = (const char *)q + (t * q_stride + (long)h * D) * esize;
+            rh[r].s = mem + (long)r * (span + plen);
+            rh[r].p = x.ntail ? rh[r].s + span : rh[r].s + (x.a - base);
+            rh[r].part = parts + ((long)(t * H + h) * 2 + half) * (D + 2);
+        }
+    }
+    if (bf16)
+        unit_attend_bf16(rh, nr, kv, (const uint16_t *)kt + kvh * tiles * D * BLOCK, Hkv, kvh, D, scale, base, qt);
+    else
+        unit_attend_f32(rh, nr, kv, (const float *)kt + kvh * tiles * D * BLOCK, Hkv, kvh, D, scale, base, qt);
+    return 0;
+}
 
 /* q: T rows of H heads of D (row stride q_stride elements, head stride D); kv: one layer's cache [S, 2 Hkv, D]
    (keys in heads 0..Hkv-1, values in Hkv..2Hkv-1); kt: the same keys in tiles [Hkv, tiles, D, 32] (store_keys).
    Row t attends the slots lo[t] .. hi[t] - 1, then tails[toff[t] .. toff[t + 1]) (at least one slot in all);
    out: [T, H, D] contiguous. D must be 16, 32, 64, 128 or 256. Returns 0, -1 when memory runs out, -2 for an
-   unsupported D. */
+   unsupported D.
+
+   The work is cut in units (a KV head, a half, a group of rows), spread over OpenMP threads (the runtime PyTorch
+   loaded: one thread pool); the unit that completes a (KV head, group of rows) last merges its pairs' halves. A
+   unit is computed whole by one thread, and a pair's arithmetic does not depend on which unit holds it, so
+   threading changes no result. */
 int specdec_attend(const void *q, long q_stride, const void *kv, const void *kt, long tiles, int H, int Hkv, int D,
                    int T, const int64_t *lo, const int64_t *hi, const int64_t *tails, const int64_t *toff,
                    float scale, void *out, int bf16) {
-    long longest = 1;
+    if (D != 16 && D != 32 && D != 64 && D != 128 && D != 256)
+        return -2;
+    int group = H / Hkv, halves = 1, threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    /* rows in ng groups, so that the units are a multiple of the threads (balanced) when they are few */
+    int ng = 1;
+    size_t nparts = (size_t)T * H * 2 * (D + 2);
+    float *parts = grow(&call_buf, &call_size,
+                        sizeof(float) * nparts + sizeof(rowinfo) * T + sizeof(int) * Hkv * T);
+    if (!parts)
+        return -1;
+    rowinfo *rows = (rowinfo *)(parts + nparts);
     for (int t = 0; t < T; t++) {
-        long n = hi[t] - lo[t] + toff[t + 1] - toff[t];
-        longest = n > longest ? n : longest;
+        long np = hi[t] - lo[t], nt = toff[t + 1] - toff[t], n = np + nt, c = 0;
+        const int64_t *tail = tails + toff[t];
+        while (c < nt && tail[c] == hi[t] + c) /* tails that continue the run (a chain) join it */
+            c++;
+        rows[t] = (rowinfo){lo[t], n, n >= SPLIT ? n / 2 : n, np + c, tail + c};
+        halves = n >= SPLIT ? 2 : halves;
     }
-    int group = H / Hkv;
-    int G = group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1; /* heads processed together */
-    long ns = (longest + BLOCK - 1) / BLOCK * BLOCK;
-#define CALL(DIM, GG)                                                                                              \
-    return bf16 ? run_attend_bf16_##DIM##_##GG(q, q_stride, kv, kt, tiles, H, Hkv, T, lo, hi, tails, toff, scale,  \
-                                               out, ns)                                                            \
-                : run_attend_f32_##DIM##_##GG(q, q_stride, kv, kt, tiles, H, Hkv, T, lo, hi, tails, toff, scale,   \
-                                              out, ns);
-#define CASE(DIM)                                                                                                  \
-    case DIM:                                                                                                      \
-        switch (G) {                                                                                               \
-        case 4: CALL(DIM, 4)                                                                                       \
-        case 3: CALL(DIM, 3)                                                                                       \
-        case 2: CALL(DIM, 2)                                                                                       \
-        default: CALL(DIM, 1)                                                                                      \
+    while (ng < T && (Hkv * halves * ng) % threads != 0 && Hkv * halves * ng < 2 * threads)
+        ng++;
+    int units = Hkv * halves * ng, failed = 0, *done = (int *)(rows + T); /* units done per (KV head, group) */
+    memset(done, 0, sizeof(int) * Hkv * ng);
+#pragma omp parallel for schedule(static) if (units > 1 && threads > 1)                                            \
+    num_threads(units < threads ? units : threads) reduction(| : failed)
+    for (int u = 0; u < units; u++) {
+        int kvh = u / (halves * ng), half = u / ng % halves, g = u % ng, t0 = T * g / ng, t1 = T * (g + 1) / ng;
+        if (failed ||
+            run_unit(q, q_stride, kv, kt, tiles, H, Hkv, D, rows, t0, t1, kvh, half, scale, parts, bf16)) {
+            failed = 1;
+            continue;
         }
-    switch (D) {
-        CASE(16) CASE(32) CASE(64) CASE(128) CASE(256)
+        if (__atomic_add_fetch(done + kvh * ng + g, 1, __ATOMIC_ACQ_REL) < halves)
+            continue; /* the other half is still being computed */
+        for (int t = t0; t < t1; t++)
+            for (int h = kvh * group; h < (kvh + 1) * group; h++) {
+                const float *p0 = parts + (long)(t * H + h) * 2 * (D + 2);
+                const float *p1 = rows[t].cut < rows[t].n ? p0 + D + 2 : 0;
+                if (bf16)
+                    merge_attend_bf16(p0, p1, D, (uint16_t *)out + (long)(t * H + h) * D);
+                else
+                    merge_attend_f32(p0, p1, D, (float *)out + (long)(t * H + h) * D);
+            }
     }
-    return -2;
+    return failed ? -1 : 0;
 }
 
 /* Copy the keys of slots start..end-1 from kv [S, 2 Hkv, D] into the tiles kt [Hkv, tiles, D, 32], for n_layers
