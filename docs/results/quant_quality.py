@@ -73,5 +73,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     main()

@@ -45,55 +45,6 @@
 
 int specdec_matmul_supported(void) { return HAVE_VNNI; }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float load_one(const void *x, int bf16, long i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
-
-/* Quantize x [T, K] (f32 or bf16), RMS-normalized first when norm (f32 [K]) is given, to int8 codes qx [T, K],
-   scales d [T, K/32] and code sums sx [T, K/32]. */
-static void quantize_rows(const void *x, int bf16, int T, int K, const float *norm, float eps, int8_t *qx, float *d,
-                          int32_t *sx) {
-    int G = K / GROUP;
-    for (int t = 0; t < T; t++) {
-        float r = 1.0f;
-        if (norm) {
-            float ss = 0.0f;
-            for (long k = 0; k < K; k++) {
-                float v = load_one(x, bf16, (long)t * K + k);
-                ss += v * v;
-            }
-            r = 1.0f / sqrtf(ss / (float)K + eps);
-        }
-        for (int g = 0; g < G; g++) {
-            float v[GROUP], amax = 0.0f;
-            for (int j = 0; j < GROUP; j++) {
-                long k = (long)g * GROUP + j;
-                v[j] = load_one(x, bf16, (long)t * K + k);
-                if (norm) v[j] = v[j] * r * norm[k];
-                float a = fabsf(v[j]);
-                amax = a > amax ? a : amax;
-            }
-            float dg = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int32_t s = 0;
-            for (int j = 0; j < GROUP; j++) {
-                int q = (int)nearbyintf(v[j] * inv);
-                q = q > 127 ? 127 : (q < -127 ? -127 : q);
-                qx[(long)t * K + (long)g * GROUP + j] = (int8_t)q;
-                s += q;
-            }
-            d[(long)t * G + g] = dg;
-            sx[(long)t * G + g] = s;
-        }
-    }
-}
-
 #if HAVE_VNNI
 
 static inline __m512 load_bf16x16(const uint16_t *p) {
@@ -102,6 +53,40 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
 
 static inline __m512 load_out(const void *p, int bf16, long i) {
     return bf16 ? load_bf16x16((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* Quantize x [T, K] (f32 or bf16), RMS-normalized first when norm (f32 [K]) is given, to int8 codes qx [T, K]
+   (round to nearest even, as nearbyintf), scales d [T, K/32] (max|x| / 127) and code sums sx [T, K/32]. */
+static void quantize_rows(const void *x, int bf16, int T, int K, const float *norm, float eps, int8_t *qx, float *d,
+                          int32_t *sx) {
+    int G = K / GROUP;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int t = 0; t < T; t++) {
+        __m512 r = _mm512_set1_ps(1.0f);
+        if (norm) {
+            __m512 ss = _mm512_setzero_ps();
+            for (int k = 0; k < K; k += LANES) {
+                __m512 v = load_out(x, bf16, (long)t * K + k);
+                ss = _mm512_fmadd_ps(v, v, ss);
+            }
+            r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)K + eps));
+        }
+        for (int g = 0; g < G; g++) {
+            long k = (long)g * GROUP;
+            __m512 v0 = load_out(x, bf16, (long)t * K + k), v1 = load_out(x, bf16, (long)t * K + k + LANES);
+            if (norm) {
+                v0 = _mm512_mul_ps(_mm512_mul_ps(v0, r), _mm512_loadu_ps(norm + k));
+                v1 = _mm512_mul_ps(_mm512_mul_ps(v1, r), _mm512_loadu_ps(norm + k + LANES));
+            }
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+            __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+            _mm_storeu_si128((__m128i *)(qx + (long)t * K + k), _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(qx + (long)t * K + k + LANES), _mm512_cvtsepi32_epi8(q1));
+            d[(long)t * G + g] = amax / 127.0f;
+            sx[(long)t * G + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+    }
 }
 
 /* exp(x) for x <= 0: 2^n * P(r), |r| <= ln2 / 2 (Cephes expf), relative error ~2e-7 */
@@ -256,7 +241,6 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
 #else
     (void)x, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)z, (void)y, (void)bf16, (void)norm;
     (void)eps, (void)swiglu, (void)residual;
-    (void)quantize_rows;
     return -2;
 #endif
 }
