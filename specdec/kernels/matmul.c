@@ -124,6 +124,17 @@ static inline void store_out(void *out, int bf16, long i, __m512 y) {
     }
 }
 
+/* One activation row's 16 integer dot products with a group's weight codes u (8 vectors, see the header). */
+static inline __m512i group_dot(const __m512i u[8], const int8_t *q) {
+    __m512i a = _mm512_setzero_si512();
+    for (int i = 0; i < 8; i++) {
+        int32_t b;
+        memcpy(&b, q + 4 * i, 4);
+        a = _mm512_dpbusd_epi32(a, u[i], _mm512_set1_epi32(b));
+    }
+    return a;
+}
+
 /* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS. */
 static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
                               const float *d, const int32_t *sx, int K, int t0, int nt, float *acc_out) {
@@ -140,13 +151,7 @@ static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_
         }
         __m512 sg = load_bf16x16(s + (long)g * LANES), zg = load_bf16x16(z + (long)g * LANES);
         for (int r = 0; r < nt; r++) {
-            const int8_t *q = qx + (long)(t0 + r) * K + (long)g * GROUP;
-            __m512i a = _mm512_setzero_si512();
-            for (int i = 0; i < 8; i++) {
-                int32_t b;
-                memcpy(&b, q + 4 * i, 4);
-                a = _mm512_dpbusd_epi32(a, u[i], _mm512_set1_epi32(b));
-            }
+            __m512i a = group_dot(u, qx + (long)(t0 + r) * K + (long)g * GROUP);
             long gi = (long)(t0 + r) * G + g;
             int32_t sum = sx[gi];
             __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(8 * sum)));
@@ -166,13 +171,7 @@ static inline void block_int8(const uint8_t *w, const uint16_t *s, int G, const 
         __m512i u[8];
         for (int i = 0; i < 8; i++) u[i] = _mm512_loadu_si512((const void *)(wg + 64 * i));
         for (int r = 0; r < nt; r++) {
-            const int8_t *q = qx + (long)(t0 + r) * K + (long)g * GROUP;
-            __m512i a = _mm512_setzero_si512();
-            for (int i = 0; i < 8; i++) {
-                int32_t b;
-                memcpy(&b, q + 4 * i, 4);
-                a = _mm512_dpbusd_epi32(a, u[i], _mm512_set1_epi32(b));
-            }
+            __m512i a = group_dot(u, qx + (long)(t0 + r) * K + (long)g * GROUP);
             long gi = (long)(t0 + r) * G + g;
             __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(128 * sx[gi])));
             y[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(d[gi]), y[r]);
