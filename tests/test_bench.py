@@ -83,6 +83,12 @@ def test_llama_cpp_peer_parses_its_tools(tmp_path):
     plain = LlamaCppPeer(tmp_path, "plain", model)
     seconds, tokens, counts = plain.run([1, 2], "hi", 32)
     assert tokens is None and abs(seconds - 0.3) < 1e-9  # the decode-only "eval time" line, 31 tokens
+    (bin_dir / "llama-cli").write_text(FAKE_SIMPLE)  # preferred over llama-simple: it takes a thread count
+    (bin_dir / "llama-cli").chmod(0o755)
+    cli = LlamaCppPeer(tmp_path, "plain", model, threads=2)
+    cmd = cli.command("hi", 32)
+    assert cli.exe.name == "llama-cli" and cmd[cmd.index("-t") + 1] == "2" and "-no-cnv" in cmd
+    assert abs(cli.run([1, 2], "hi", 32)[0] - 0.3) < 1e-9
     lookup = LlamaCppPeer(tmp_path, "lookup", model, draft_max=4)
     assert "--draft-max" in lookup.command("hi", 32)
     seconds, _, counts = lookup.run([1, 2], "hi", 32)

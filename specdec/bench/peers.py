@@ -3,7 +3,8 @@
 - `hf`: Hugging Face transformers `generate` (greedy) on the same GGUF / folder (dequantized, fp32): plain, prompt
   lookup (`prompt_lookup_num_tokens=10`), and assisted generation (`assistant_model`) when a draft model is given.
   Decode time = time(n tokens) - time(1 token), so the prefill is excluded as for specdec.
-- `llama.cpp:DIR`: a llama.cpp build the user points at: `llama-simple` (plain), `llama-lookup` (n-gram) and
+- `llama.cpp:DIR`: a llama.cpp build the user points at: `llama-completion` or `llama-cli` (plain; `llama-simple`
+  if neither was built, which runs llama.cpp's default thread count), `llama-lookup` (n-gram) and
   `llama-speculative` (draft model), greedy, at the same -n and threads; decode speed is parsed from their own
   reports (the "eval time" line of llama_perf_context_print for plain decoding, "decoded N tokens in S seconds" for
   the speculative tools, which exclude the prompt).
@@ -85,15 +86,16 @@ def parse_llama_output(text: str) -> tuple[float, int, dict]:
 class LlamaCppPeer:
     """A llama.cpp build: llama-simple / llama-lookup / llama-speculative on the same GGUF files."""
 
-    TOOLS = {"plain": "llama-simple", "lookup": "llama-lookup", "speculative": "llama-speculative"}
+    TOOLS = {"plain": ("llama-completion", "llama-cli", "llama-simple"), "lookup": ("llama-lookup",),
+             "speculative": ("llama-speculative",)}
 
     def __init__(self, build_dir: str | Path, mode: str, model: Path, draft: Path | None = None,
                  draft_max: int = 4, threads: int | None = None):
         self.dir = Path(build_dir)
-        exe = self.find(self.dir, self.TOOLS[mode])
+        exe = next((e for e in (self.find(self.dir, tool) for tool in self.TOOLS[mode]) if e), None)
         if exe is None:
-            raise ValueError(f"{self.TOOLS[mode]} not found under {self.dir}: point --peer llama.cpp:DIR at a "
-                             f"llama.cpp build (its bin/ folder or the build folder)")
+            raise ValueError(f"{' / '.join(self.TOOLS[mode])} not found under {self.dir}: point --peer llama.cpp:DIR "
+                             f"at a llama.cpp build (its bin/ folder or the build folder)")
         self.exe, self.mode, self.model, self.draft = exe, mode, model, draft
         self.draft_max, self.threads = draft_max, threads or torch.get_num_threads()
         self.name = {"plain": "llama.cpp", "lookup": "llama.cpp lookup", "speculative": "llama.cpp speculative"}[mode]
@@ -108,16 +110,20 @@ class LlamaCppPeer:
         return None
 
     def command(self, text: str, n: int) -> list[str]:
-        if self.mode == "plain":
+        if self.exe.name == "llama-simple":  # takes no sampling or thread flags: greedy, default threads
             return [str(self.exe), "-m", str(self.model), "-n", str(n), text]
         cmd = [str(self.exe), "-m", str(self.model), "-p", text, "-n", str(n), "--temp", "0", "-t", str(self.threads),
-               "--draft-max", str(self.draft_max), "-c", "4096"]
+               "-c", "4096"]
+        if self.mode == "plain":
+            return cmd + ["-no-cnv"]  # one completion, no chat loop
+        cmd += ["--draft-max", str(self.draft_max)]
         if self.mode == "speculative":
             cmd += ["-md", str(self.draft)]
         return cmd
 
     def run(self, ids: list[int], text: str, n: int) -> tuple[float, list[int] | None, dict]:
-        r = subprocess.run(self.command(text, n), capture_output=True, text=True, timeout=600)
+        r = subprocess.run(self.command(text, n), capture_output=True, text=True, timeout=600,
+                           stdin=subprocess.DEVNULL)
         if r.returncode != 0:
             raise ValueError(f"{self.exe.name} failed (exit {r.returncode}): {r.stderr.strip()[-300:]}")
         seconds, tokens, counters = parse_llama_output(r.stderr + r.stdout)
