@@ -73,6 +73,16 @@ class _Native(Linear):
                               norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
                               swiglu, residual)
 
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b on PyTorch's weight-only kernel (when the layer is not `native`)."""
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if not self.native:
+            return self._fallback(x)
+        y = self._kernel(x)
+        return y + self.bias if self.bias is not None else y
+
     def apply(self, x: torch.Tensor, norm=None, swiglu: bool = False, residual: torch.Tensor | None = None
               ) -> torch.Tensor:
         if self.native and self.bias is None and not (swiglu and self.out_features % 32):
@@ -109,10 +119,7 @@ class Int8Linear(_Native):
         self.native = kernels.matmul_supports(*w.shape, w.device)
         self.weight = kernels.pack_int8(q) if self.native else q
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        if self.native:
-            y = self._kernel(x)
-            return y + self.bias if self.bias is not None else y
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         return _bf16_call(x, lambda x2: _int8_mm(x2, self.weight, self.scales), self.bias, self.out_features)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -143,10 +150,7 @@ class Int4Linear(_Native):
             self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales_zeros = sz.to(torch.bfloat16)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        if self.native:
-            y = self._kernel(x)
-            return y + self.bias if self.bias is not None else y
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         return _bf16_call(x, lambda x2: _int4_mm(x2, self.weight, self.group, self.scales_zeros), self.bias,
                           self.out_features)
 
