@@ -136,12 +136,9 @@ class Block:
         self.w13 = make_linear(torch.cat([w["ffn_gate"], w["ffn_up"]]), None, dtype, quant, bits("ffn_gate", "ffn_up"))
         self.w2 = make_linear(w["ffn_down"], None, dtype, quant, bits("ffn_down"))
         self.ffn_dim = w["ffn_gate"].shape[0]
-        def twice(name: str) -> torch.Tensor | None:  # norm weights as rms_norm() takes them: [2, dim]
-            return torch.stack([w[name], w[name]]).to(dtype) if name in w else None
-
         self.attn_norm, self.ffn_norm = (RMSNorm(w[n], a.norm_eps, dtype) for n in ("attn_norm", "ffn_norm"))
-        self.post_attention_norm = twice("post_attention_norm") if a.sandwich_norms else None
-        self.post_ffw_norm = twice("post_ffw_norm") if a.sandwich_norms else None
+        self.post_attention_norm = RMSNorm(w["post_attention_norm"], a.norm_eps, dtype) if a.sandwich_norms else None
+        self.post_ffw_norm = RMSNorm(w["post_ffw_norm"], a.norm_eps, dtype) if a.sandwich_norms else None
         # q/k RMSNorm weights, one row per q head then per k head: [H + Hkv, D]
         self.qk_norm = torch.cat([w["attn_q_norm"].expand(a.n_heads, -1), w["attn_k_norm"].expand(a.n_kv_heads, -1)]
                                  ).to(dtype) if a.qk_norm else None
@@ -154,9 +151,9 @@ class Block:
                                               scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
 
     def tensors(self) -> list[torch.Tensor]:
-        norms = [self.attn_norm.twice, self.ffn_norm.twice, self.post_attention_norm, self.post_ffw_norm, self.qk_norm]
+        norms = [n.twice for n in (self.attn_norm, self.ffn_norm, self.post_attention_norm, self.post_ffw_norm) if n]
         linears = [t for lin in (self.wqkv, self.wo, self.w13, self.w2) for t in lin.tensors()]
-        return linears + [t for t in norms if t is not None]
+        return linears + norms + ([self.qk_norm] if self.qk_norm is not None else [])
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
                  k_all: torch.Tensor, v_all: torch.Tensor, start: int, plan: AttentionPlan,
@@ -202,7 +199,7 @@ class Block:
         if plan.kind != "kernel":
             o = o.transpose(1, 2).reshape(B, T, H * D)
         if self.sandwich:  # Gemma: the norm comes between the projection and the residual add
-            x = x + rms_norm(self.wo(o), self.post_attention_norm, self.eps)
+            x = x + self.post_attention_norm(self.wo(o))
         else:
             x = self.wo.apply(o, residual=x)
         h = self.w13.apply(x, norm=self.ffn_norm, swiglu=not self.gelu)  # [B, T, ffn] (SwiGLU) or [B, T, 2 ffn]
@@ -210,7 +207,7 @@ class Block:
             gate, up = h.split(self.ffn_dim, dim=-1)
             h = F.gelu(gate, approximate="tanh") * up
         if self.sandwich:
-            return x + rms_norm(self.w2(h), self.post_ffw_norm, self.eps)
+            return x + self.post_ffw_norm(self.w2(h))
         return self.w2.apply(h, residual=x)
 
 
