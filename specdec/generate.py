@@ -106,6 +106,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
     stream = TextStream(tokenizer, stop, on_text)
     eog = set() if ignore_eos else tokenizer.eog_ids
     draft_length = draft_length or FixedDraftLength(0)
+    # full-information feedback for draft-length policies that learn (spec/autok.py) from costless proposers
+    watch = getattr(proposer, "costless", False) and isinstance(draft_length, AutoDraftLength)
     with torch.inference_mode():
         t0 = time.perf_counter()
         logits, prompt_hidden = prefill(model, prompt, cache)
@@ -130,9 +132,14 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
             k = min(draft_length.choose(kind), cache.max_len - n - 1, max_tokens - len(out) - 1) if proposer else 0
             draft = Draft()
             draft_s = 0.0
-            if k > 0:
+            if k > 0 or watch:
                 t = time.perf_counter()
-                draft = proposer.propose(k)
+                if watch:  # the longest candidate, scored whole by the policy; the first k tokens are drafted
+                    full = proposer.propose(draft_length.draft_max)
+                    draft_length.watch(full.tokens, kind)
+                    draft = Draft(full.tokens[:k])
+                else:
+                    draft = proposer.propose(k)
                 draft_s = time.perf_counter() - t
                 stats.draft_s += draft_s
                 if len(draft) < max(draft_length.draft_min, 1):
@@ -167,6 +174,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
                 if finish:
                     break
             stats.record(len(draft), n_acc, emitted, depth)
+            draft_length.emitted(new[:emitted])
             if stream.push([t for t in new[:emitted] if t not in eog]):
                 finish = "stop"
             if proposer is not None and finish is None:

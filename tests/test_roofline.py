@@ -157,6 +157,45 @@ def test_auto_k_per_draft_class():
     assert policy.acceptance(5) == policy.acceptance()
 
 
+
+def test_auto_k_watch_scores_whole_candidates_against_emitted_tokens():
+    """Full-information feedback: a watched candidate is counted once it disagrees with the emitted tokens (or
+    matches whole), however many of its tokens were drafted."""
+    policy = AutoDraftLength(k_max=8)
+    policy.watch([1, 2, 3, 4], 5)
+    policy.emitted([1, 2])
+    assert 5 not in policy.by_class  # still agreeing: not counted yet
+    policy.watch([3, 9], 5)  # the next step's candidate: scored from the next emitted token on
+    policy.emitted([7])  # ends both: [1, 2, 3, 4] after 2 matched tokens, [3, 9] at its first
+    acc, seen = policy.by_class[5]
+    assert acc[:4] == pytest.approx([0.95, 1.0, 0.0, 0.0]) and seen[:4] == pytest.approx([1.95, 1.0, 1.0, 0.0])
+    policy.watch([4, 4], 6)
+    policy.emitted([4, 4, 4])  # matched whole
+    assert policy.by_class[6] == ([1.0, 1.0] + [0.0] * 6, [1.0, 1.0] + [0.0] * 6)
+    assert policy.watching == []
+    # update() no longer counts what watch() does, and a watching policy never needs to probe
+    policy.update(2, 2, 0.01, 0.0, 6)
+    assert policy.by_class[6][1][0] == 1.0
+    policy.since_draft = 10 ** 6
+    policy.choose(6)
+    assert not policy.probing
+
+
+def test_auto_k_learns_long_drafts_from_watched_candidates_without_drafting():
+    """A class whose candidates are always right is learned from watching alone, while nothing is drafted; without
+    watching the policy knows nothing of it."""
+    verify = lambda t: 0.010 * (1 + 0.1 * (t - 1))  # noqa: E731
+    watching, blind = AutoDraftLength(k_max=8, prior_acceptance=0.1), AutoDraftLength(k_max=8, prior_acceptance=0.1)
+    truth = list(range(1000))
+    for step in range(100):
+        for policy in (watching, blind):
+            if policy is watching:
+                policy.watch(truth[step:step + 8], 3)
+            policy.update(0, 0, verify(1), 0.0, 3)  # plain decoding: one token emitted per step
+            policy.emitted([truth[step]])
+    assert watching.choose(3) == 8
+    assert blind.choose(3) <= 1  # plain decoding, or a probe
+
 # ---------------------------------------------------------------------------------------------------------------
 # end to end
 

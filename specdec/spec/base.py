@@ -35,7 +35,9 @@ class Proposer(Protocol):
     """begin(context) once after prefill; then per step propose(k) and, after verification, accept().
 
     A proposer may also have draft_class() -> int: before propose(), a label of how good the next draft is likely
-    to be (the n-gram proposer: its match length), which `--draft-max auto` keeps acceptance statistics apart by."""
+    to be (the n-gram proposer: its match length), which `--draft-max auto` keeps acceptance statistics apart by.
+    One whose drafts cost nothing sets `costless = True`: the loop then asks it for the longest draft every step and
+    lets the draft-length policy score all of it against what is generated (full-information feedback)."""
 
     name: str
 

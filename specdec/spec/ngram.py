@@ -13,6 +13,7 @@ from .base import Draft
 
 class NgramProposer:
     name = "ngram"
+    costless = True  # a draft is a dict lookup: the loop may ask for the longest one every step (spec/autok.py)
 
     def __init__(self, ngram_min: int = 2, ngram_max: int = 4):
         if not 1 <= ngram_min <= ngram_max:
