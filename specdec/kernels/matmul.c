@@ -1,15 +1,18 @@
 /* Weight-only quantized matmul y = x W^T for decode and verification steps (CPU, AVX-512 VNNI), batch-invariant.
 
-   W [N, K] is int4 (asymmetric, one scale and zero per group of 32 inputs, as GGUF Q4_1: w = (q - 8) s + z) or int8
+   W [N, K] is int4 (asymmetric, one scale and minimum per group of 32 inputs, as GGUF Q4_1: w = q s + m) or int8
    (symmetric, one scale per output row: w = q s). The activations x [T, K] are quantized on the fly to int8, one
    scale per row and group of 32 (d = max|x| / 127, as llama.cpp's Q8_1 / Q8_0 activations), so that every group's
    products are exact integer dot products (VPDPBUSD: 64 u8 x s8 products per instruction) and only the per-group
    rescaling is floating point:
 
-     y[t, n] = sum_g d[t, g] * (s[n, g] * (dot_g - 8 sum_g(qx)) + z[n, g] * sum_g(qx))      (int4)
-     y[t, n] = s[n] * sum_g d[t, g] * (dot_g - 128 sum_g(qx))                                 (int8)
+     y[t, n] = sum_g (d[t, g] s[n, g]) dot_g  +  sum_g m[n, g] (d[t, g] sum_g(qx))                 (int4)
+     y[t, n] = s[n] * (sum_g d[t, g] dot_g  -  sum_g 128 d[t, g] sum_g(qx))                       (int8)
 
-   where dot_g = sum over the group of (weight code, stored unsigned: q for int4, q + 128 for int8) * qx.
+   where dot_g = sum over the group of (weight code, stored unsigned: q for int4, q + 128 for int8) * qx. The terms
+   that do not involve the weight codes (d sum(qx) per row and group; for int8 the whole second sum, one number per
+   row) are computed once per activation row, so the inner loop is the 8 integer instructions and 3 float ones
+   (int4; 2 for int8) per row, group and block of 16 outputs.
 
    Layout: output rows in blocks of 16 (one 32-bit lane each), so no horizontal sums are needed. For a block and a
    group, instruction i (i = 0..7) covers inputs 4i..4i+3: its 64 bytes hold, lane by lane, the 4 weight codes of
@@ -42,6 +45,9 @@
 #define GROUP 32
 #define LANES 16
 #define ROWS 4 /* activation rows per pass over a block's weights (register blocking) */
+#ifndef PREFETCH
+#define PREFETCH 3072 /* bytes of int4 codes (twice that of int8) fetched ahead into L1; 0: none */
+#endif
 
 int specdec_matmul_supported(void) { return HAVE_VNNI; }
 
@@ -56,9 +62,10 @@ static inline __m512 load_out(const void *p, int bf16, long i) {
 }
 
 /* Quantize x [T, K] (f32 or bf16), RMS-normalized first when norm (f32 [K]) is given, to int8 codes qx [T, K]
-   (round to nearest even, as nearbyintf), scales d [T, K/32] (max|x| / 127) and code sums sx [T, K/32]. */
+   (round to nearest even, as nearbyintf), scales d [T, K/32] (max|x| / 127), ds [T, K/32] = d * (sum of the group's
+   codes), and per row c [T] = sum over groups of 128 ds (the int8 weights' offset, see the header). */
 static void quantize_rows(const void *x, int bf16, int T, int K, const float *norm, float eps, int8_t *qx, float *d,
-                          int32_t *sx) {
+                          float *ds, float *c) {
     int G = K / GROUP;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int t = 0; t < T; t++) {
@@ -83,8 +90,10 @@ static void quantize_rows(const void *x, int bf16, int T, int K, const float *no
             __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
             _mm_storeu_si128((__m128i *)(qx + (long)t * K + k), _mm512_cvtsepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(qx + (long)t * K + k + LANES), _mm512_cvtsepi32_epi8(q1));
-            d[(long)t * G + g] = amax / 127.0f;
-            sx[(long)t * G + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            float dg = amax / 127.0f;
+            d[(long)t * G + g] = dg;
+            ds[(long)t * G + g] = dg * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            c[t] += 128.0f * ds[(long)t * G + g];
         }
     }
 }
@@ -135,96 +144,102 @@ static inline __m512i group_dot(const __m512i u[8], const int8_t *q) {
     return a;
 }
 
-/* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS. */
-static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
-                              const float *d, const int32_t *sx, int K, int t0, int nt, float *acc_out) {
-    __m512 y[ROWS];
-    for (int r = 0; r < ROWS; r++) y[r] = _mm512_setzero_ps();
+/* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS. The scale and minimum terms accumulate
+   apart (y, ym), so each row's dependency chain is one FMA per group. */
+static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *m, int G, const int8_t *qx,
+                              const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
+    __m512 y[ROWS], ym[ROWS];
+    for (int r = 0; r < ROWS; r++) y[r] = ym[r] = _mm512_setzero_ps();
     const __m512i lo = _mm512_set1_epi8(0x0F);
     for (int g = 0; g < G; g++) {
         const uint8_t *wg = w + (long)g * 256;
+#if PREFETCH
+        for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wg + PREFETCH + 64 * j), _MM_HINT_T0);
+        _mm_prefetch((const char *)(s + (long)g * LANES + PREFETCH / 8), _MM_HINT_T0);
+        _mm_prefetch((const char *)(m + (long)g * LANES + PREFETCH / 8), _MM_HINT_T0);
+#endif
         __m512i u[8];
         for (int j = 0; j < 4; j++) {
             __m512i p = _mm512_loadu_si512((const void *)(wg + 64 * j));
             u[2 * j] = _mm512_and_si512(p, lo);
             u[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
         }
-        __m512 sg = load_bf16x16(s + (long)g * LANES), zg = load_bf16x16(z + (long)g * LANES);
+        __m512 sg = load_bf16x16(s + (long)g * LANES), mg = load_bf16x16(m + (long)g * LANES);
         for (int r = 0; r < nt; r++) {
             __m512i a = group_dot(u, qx + (long)(t0 + r) * K + (long)g * GROUP);
             long gi = (long)(t0 + r) * G + g;
-            int32_t sum = sx[gi];
-            __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(8 * sum)));
-            __m512 part = _mm512_fmadd_ps(zg, _mm512_set1_ps((float)sum), _mm512_mul_ps(sg, dot));
-            y[r] = _mm512_fmadd_ps(part, _mm512_set1_ps(d[gi]), y[r]);
+            y[r] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(d[gi])), _mm512_cvtepi32_ps(a), y[r]);
+            ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[gi]), ym[r]);
         }
     }
-    for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, y[r]);
+    for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
 }
 
 static inline void block_int8(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
-                              const int32_t *sx, int K, int t0, int nt, float *acc_out) {
+                              const float *c, int K, int t0, int nt, float *acc_out) {
     __m512 y[ROWS];
     for (int r = 0; r < ROWS; r++) y[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         const uint8_t *wg = w + (long)g * 512;
+#if PREFETCH
+        for (int j = 0; j < 8; j++) _mm_prefetch((const char *)(wg + 2 * PREFETCH + 64 * j), _MM_HINT_T0);
+#endif
         __m512i u[8];
         for (int i = 0; i < 8; i++) u[i] = _mm512_loadu_si512((const void *)(wg + 64 * i));
         for (int r = 0; r < nt; r++) {
             __m512i a = group_dot(u, qx + (long)(t0 + r) * K + (long)g * GROUP);
-            long gi = (long)(t0 + r) * G + g;
-            __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(128 * sx[gi])));
-            y[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(d[gi]), y[r]);
+            y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(d[(long)(t0 + r) * G + g]), y[r]);
         }
     }
     __m512 sr = load_bf16x16(s);
-    for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_mul_ps(y[r], sr));
+    for (int r = 0; r < nt; r++)
+        _mm512_storeu_ps(acc_out + r * LANES, _mm512_mul_ps(_mm512_sub_ps(y[r], _mm512_set1_ps(c[t0 + r])), sr));
 }
 
 /* One block of 16 weight rows, all T rows of x: acc [T, 16]. */
-static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, int bits, int G, long b,
-                      const int8_t *qx, const float *d, const int32_t *sx, int K, int T, float *acc) {
+static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *m, int bits, int G, long b,
+                      const int8_t *qx, const float *d, const float *ds, const float *c, int K, int T, float *acc) {
     long wblock = (long)G * (bits == 4 ? 256 : 512); /* bytes of codes per block of 16 rows */
     for (int t0 = 0; t0 < T; t0 += ROWS) {
         int nt = T - t0 < ROWS ? T - t0 : ROWS;
         if (bits == 4)
-            block_int4(w + b * wblock, s + b * G * LANES, z + b * G * LANES, G, qx, d, sx, K, t0, nt,
+            block_int4(w + b * wblock, s + b * G * LANES, m + b * G * LANES, G, qx, d, ds, K, t0, nt,
                        acc + t0 * LANES);
         else
-            block_int8(w + b * wblock, s + b * LANES, G, qx, d, sx, K, t0, nt, acc + t0 * LANES);
+            block_int8(w + b * wblock, s + b * LANES, G, qx, d, c, K, t0, nt, acc + t0 * LANES);
     }
 }
 
 #endif
 
-/* y = x [T, K] W^T, W [N, K]. bits: 4 or 8. w: packed codes (see the header), s / z: bf16 scales / zeros laid out
-   [N/16, K/32, 16] (int4) or s [N] (int8, z unused). x, y and residual are bf16 when bf16 != 0, else f32.
+/* y = x [T, K] W^T, W [N, K]. bits: 4 or 8. w: packed codes (see the header), s / m: bf16 scales / minimums laid out
+   [N/16, K/32, 16] (int4) or s [N] (int8, m unused). x, y and residual are bf16 when bf16 != 0, else f32.
    norm: f32 [K] RMSNorm weight applied to x's rows first (eps inside the root), or NULL. swiglu: y [T, N/2] =
    silu(x Wg^T) * (x Wu^T) with Wg, Wu the first and second N/2 rows. residual: y = residual + x W^T, or NULL.
    Returns 0, -1 when out of memory, -2 when the shapes are not multiples of 16 rows / 32 inputs (32 rows with
    swiglu) or the kernel is not built for this CPU. */
 int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *w, const uint16_t *s,
-                   const uint16_t *z, void *y, int bf16, const float *norm, float eps, int swiglu,
+                   const uint16_t *m, void *y, int bf16, const float *norm, float eps, int swiglu,
                    const void *residual) {
 #if HAVE_VNNI
     if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || (bits != 4 && bits != 8) || T < 1) return -2;
     int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N;
     int8_t *qx = malloc((size_t)T * K);
-    float *d = malloc(sizeof(float) * (size_t)T * G);
-    int32_t *sx = malloc(sizeof(int32_t) * (size_t)T * G);
-    if (!qx || !d || !sx) {
-        free(qx), free(d), free(sx);
+    float *d = malloc(sizeof(float) * (size_t)T * G), *ds = malloc(sizeof(float) * (size_t)T * G);
+    float *c = calloc((size_t)T, sizeof(float));
+    if (!qx || !d || !ds || !c) {
+        free(qx), free(d), free(ds), free(c);
         return -1;
     }
-    quantize_rows(x, bf16, T, K, norm, eps, qx, d, sx);
+    quantize_rows(x, bf16, T, K, norm, eps, qx, d, ds, c);
     int failed = 0;
     _Pragma("omp parallel reduction(| : failed)") {
         float *acc = malloc(sizeof(float) * (size_t)T * LANES * 2);
         if (!acc) failed = 1;
         _Pragma("omp for schedule(static)") for (int b = 0; b < (swiglu ? blocks / 2 : blocks); b++) {
             if (!acc) continue;
-            block_all(w, s, z, bits, G, b, qx, d, sx, K, T, acc);
-            if (swiglu) block_all(w, s, z, bits, G, b + blocks / 2, qx, d, sx, K, T, acc + T * LANES);
+            block_all(w, s, m, bits, G, b, qx, d, ds, c, K, T, acc);
+            if (swiglu) block_all(w, s, m, bits, G, b + blocks / 2, qx, d, ds, c, K, T, acc + T * LANES);
             for (int t = 0; t < T; t++) {
                 __m512 v = _mm512_loadu_ps(acc + t * LANES);
                 if (swiglu) v = silu_mul(v, _mm512_loadu_ps(acc + (T + t) * LANES));
@@ -235,10 +250,10 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
         }
         free(acc);
     }
-    free(qx), free(d), free(sx);
+    free(qx), free(d), free(ds), free(c);
     return failed ? -1 : 0;
 #else
-    (void)x, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)z, (void)y, (void)bf16, (void)norm;
+    (void)x, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)m, (void)y, (void)bf16, (void)norm;
     (void)eps, (void)swiglu, (void)residual;
     return -2;
 #endif
