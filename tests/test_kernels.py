@@ -53,6 +53,35 @@ def test_chain_rows_equal_decode_steps_bitwise(dtype, H, Hkv, D):
         torch.testing.assert_close(batched.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 2, 16), (8, 2, 128)])
+def test_rope_store_is_apply_rope_then_the_cache_writes(dtype, H, Hkv, D):
+    """rope_store() does in one call what the PyTorch path does: RoPE on the query and key heads, the keys and values
+    into the cache at slots start.., the keys into their tiles; each row alone (batch-invariant)."""
+    from specdec.models.transformer import Rope, apply_rope, rope_inv_freq
+
+    S, start, T = 100, 61, 5
+    rope = Rope(rope_inv_freq(D, 10000.0, None), S, torch.float32, "cpu")
+    pos = torch.arange(start, start + T)
+    qkv = torch.randn(1, T, H + 2 * Hkv, D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    kv, kt = make(H, Hkv, D, S, dtype)
+    kv2, kt2 = kv.clone(), kt.clone()
+    ref = apply_rope(qkv.float(), *rope.tables(pos, H + Hkv, Hkv)).to(dtype)
+    kv2[:, start:start + T] = ref[:, :, H:]
+    kernels.store_keys(kv2, kt2, start, start + T)
+    got = qkv.clone()
+    kernels.rope_store(got, kv, kt, *rope.rows(pos), start, H, Hkv)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the same f32 result, or the next value
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(kv.float(), kv2.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(kt.float(), kt2.float(), atol=tol, rtol=tol)
+    assert torch.equal(kv[:, start:start + T], got[0, :, H:][None]) and torch.equal(kv[:, :start], kv2[:, :start])
+    for i in range(T):  # a row alone is bitwise the same row of the batch
+        one = qkv[:, i:i + 1].clone()
+        kernels.rope_store(one, kv.clone(), kt.clone(), *rope.rows(pos[i:i + 1]), start + i, H, Hkv)
+        assert torch.equal(one[0, 0], got[0, i])
+
+
 @pytest.mark.parametrize("window", [None, 40, 3])
 def test_tree_paths_equal_decoding_the_path_laid_out(window):
     """A tree node's row over the prefix plus its path's scattered slots equals decoding that node after the path was

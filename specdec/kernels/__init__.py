@@ -80,6 +80,9 @@ def attention_lib() -> ctypes.CDLL | None:
     g = dll.specdec_store_keys
     g.restype = None
     g.argtypes = [ptr, ptr, i, ctypes.c_long, ctypes.c_long, ctypes.c_long, i, i, ctypes.c_long, ctypes.c_long, i]
+    r = dll.specdec_rope_store
+    r.restype = None
+    r.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, ctypes.c_long, ctypes.c_long, i]
     return dll
 
 
@@ -125,6 +128,18 @@ def store_keys(kv: torch.Tensor, kt: torch.Tensor, start: int, end: int) -> None
     attention_lib().specdec_store_keys(kv.data_ptr(), kt.data_ptr(), kv.shape[0] if every else 1,
                                        kv.stride(0) if every else 0,
                                        kt.stride(0) if every else 0, tiles, Hkv, D, start, end, kv.element_size())
+
+
+def rope_store(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               start: int, n_heads: int, n_kv: int) -> None:
+    """RoPE on qkv's query and key heads in place (qkv [1, T, H + 2 Hkv, D], contiguous; cos, sin f32 [T, D]: the
+    Rope tables' rows at the T positions), then the keys and values stored at slots [start, start + T) of one
+    layer's cache kv [1, S, 2 Hkv, D] and the keys in its tiles kt [Hkv, tiles, D, 32] (see attention.c)."""
+    _, T, _, D = qkv.shape
+    assert qkv.is_contiguous() and kv.is_contiguous() and kt.is_contiguous() and qkv.dtype == kv.dtype == kt.dtype
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    attention_lib().specdec_rope_store(qkv.data_ptr(), T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(),
+                                       kv.data_ptr(), kt.data_ptr(), kt.shape[1], start, qkv.element_size())
 
 
 def attend(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, n_heads: int, n_kv: int, spans: torch.Tensor,

@@ -545,3 +545,53 @@ void specdec_store_keys(const void *kv, void *kt, int n_layers, long kv_layer, l
         STORE_KEYS(float)
     }
 }
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does (no NaN here) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#define ROPE_STORE(T_, LOAD, STORE)                                                                                \
+    for (int t = 0; t < T; t++) {                                                                                  \
+        T_ *row = (T_ *)qkv + (long)t * (H + 2 * Hkv) * D;                                                         \
+        const float *c = cos + (long)t * D, *s = sin + (long)t * D;                                                \
+        for (int h = 0; h < H + Hkv; h++) {                                                                        \
+            T_ *x = row + (long)h * D;                                                                             \
+            float y[256];                                                                                          \
+            for (int d = 0; d < D; d++)                                                                            \
+                y[d] = LOAD(x[d]) * c[d] + LOAD(x[(d + D / 2) % D]) * s[d];                                        \
+            for (int d = 0; d < D; d++)                                                                            \
+                x[d] = STORE(y[d]);                                                                                \
+        }                                                                                                          \
+        long slot = start + t;                                                                                     \
+        memcpy((T_ *)kv + slot * 2 * Hkv * D, row + (long)H * D, sizeof(T_) * 2 * Hkv * D);                        \
+        for (int h = 0; h < Hkv; h++) {                                                                            \
+            T_ *dst = (T_ *)kt + ((long)h * tiles + slot / BLOCK) * D * BLOCK + slot % BLOCK;                      \
+            for (int d = 0; d < D; d++)                                                                            \
+                dst[d * BLOCK] = row[(long)(H + h) * D + d];                                                       \
+        }                                                                                                          \
+    }
+#define AS_IS(x) (x)
+
+/* RoPE (Su et al. 2021) on the query and key heads of qkv [T, H + 2 Hkv, D], in place: x cos + rotate_half(x) sin,
+   rotate_half being a roll by D / 2 with its sign folded into sin (cos, sin: f32 [T, D], the rows of the tables of
+   models/transformer.py's Rope at the T positions); then the T rows' keys and values stored at slots start ..
+   start + T - 1 of one layer's cache kv [S, 2 Hkv, D], and the keys in its tiles kt [Hkv, tiles, D, 32]. One call
+   instead of the handful of small PyTorch ops a decode step would spend on it per layer. Each row is computed on
+   its own, so batch invariance is kept. esize: bytes per element (2: bf16, 4: f32). */
+void specdec_rope_store(void *qkv, int T, int H, int Hkv, int D, const float *cos, const float *sin, void *kv,
+                        void *kt, long tiles, long start, int esize) {
+    if (esize == 2) {
+        ROPE_STORE(uint16_t, bf16_to_f32, f32_to_bf16)
+    } else {
+        ROPE_STORE(float, AS_IS, AS_IS)
+    }
+}

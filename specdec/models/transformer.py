@@ -58,6 +58,10 @@ class Rope:
         self.cos = emb.cos().to(dtype=dtype, device=device)  # [S, D]
         self.sin = (emb.sin() * sign).to(dtype=dtype, device=device)  # [S, D]
 
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin f32 [T, D] at `positions`, as kernels.rope_store() takes them."""
+        return self.cos[positions].float().contiguous(), self.sin[positions].float().contiguous()
+
     def tables(self, positions: torch.Tensor, n_rot: int, n_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, T, n_rot + n_keep, D] for `positions` [T]: the first n_rot heads (q and k) rotate, the last
         n_keep heads (v) get cos = 1, sin = 0, so one fused op handles the whole q|k|v projection."""
@@ -160,43 +164,22 @@ class Block:
                  window: int | None, kt: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim].
 
-        rope: cos, sin [1, T, H + 2 Hkv, D]; kv [B, S, 2 Hkv, D] this layer's cache, written at slots
+        rope: cos, sin: Rope.rows() [T, D] for the "kernel" plan, else Rope.tables() [1, T, H + 2 Hkv, D];
+        kv [B, S, 2 Hkv, D] this layer's cache, written at slots
         [start, start+T); k_all / v_all [B, Hkv, S, D] views of it; plan: how the T queries attend (see
         AttentionPlan); window: sliding-window size of this layer, or None; kt [Hkv, tiles, D, 32] this layer's keys
         in the attention kernel's tiles, when the cache keeps them (KVCache.kt)."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        L = start + T
         qkv = self.wqkv.apply(x, norm=self.attn_norm).view(B, T, H + 2 * Hkv, D)
         if self.qk_norm is not None:
             qk = rms_norm(qkv[:, :, :H + Hkv], None, self.eps) * self.qk_norm
             qkv = torch.cat([qk, qkv[:, :, H + Hkv:]], dim=2)
-        qkv = apply_rope(qkv, *rope)
-        new_kv = qkv[:, :, H:]  # [B, T, 2 Hkv, D]
-        kv[:, start:L] = new_kv
-        if kt is not None:
-            kernels.store_keys(kv, kt, start, L)
-        q = qkv[:, :, :H].transpose(1, 2)  # [B, H, T, D]
-        if plan.kind == "kernel":
+        if plan.kind == "kernel":  # RoPE, the cache writes and attention in two calls
+            kernels.rope_store(qkv, kv, kt, *rope, start, H, Hkv)
             o = kernels.attend(qkv, kv, kt, H, Hkv, *(plan.sliding if window else plan.full), self.scale)
-        elif plan.kind == "masked":
-            mask = plan.sliding if window else plan.full
-            o = self.attend(q, k_all, v_all, L, mask, None)  # [B, H, T, D]
-        elif plan.kind == "rows":
-            o = torch.cat([self.attend(q[:, :, i:i + 1], k_all, v_all, start + i + 1, None, window)
-                           for i in range(T)], dim=2)
-        elif plan.kind == "paths":
-            outs = []
-            for i, path in enumerate(plan.paths):
-                # lay this node's root-to-node path into consecutive slots: exactly the cache a decode step of
-                # this token would see after the path had been accepted
-                kv[:, start:start + len(path)] = new_kv[:, path]
-                outs.append(self.attend(q[:, :, i:i + 1], k_all, v_all, start + len(path), None, window))
-            kv[:, start:L] = new_kv  # node order again, for cache.keep() after verification
-            o = torch.cat(outs, dim=2)
-        else:  # a single new token sees every earlier slot
-            o = self.attend(q, k_all, v_all, L, None, window)
-        if plan.kind != "kernel":
+        else:
+            o = self.attend_torch(qkv, rope, kv, k_all, v_all, start, plan, window, kt)
             o = o.transpose(1, 2).reshape(B, T, H * D)
         if self.sandwich:  # Gemma: the norm comes between the projection and the residual add
             x = x + self.post_attention_norm(self.wo(o))
@@ -209,6 +192,36 @@ class Block:
         if self.sandwich:
             return x + self.post_ffw_norm(self.w2(h))
         return self.w2.apply(h, residual=x)
+
+    def attend_torch(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
+                     k_all: torch.Tensor, v_all: torch.Tensor, start: int, plan: AttentionPlan, window: int | None,
+                     kt: torch.Tensor | None) -> torch.Tensor:
+        """RoPE, cache writes and attention in PyTorch ops (every plan but "kernel") -> [B, H, T, D]."""
+        H, T = self.n_heads, qkv.shape[1]
+        L = start + T
+        qkv = apply_rope(qkv, *rope)
+        new_kv = qkv[:, :, H:]  # [B, T, 2 Hkv, D]
+        kv[:, start:L] = new_kv
+        if kt is not None:
+            kernels.store_keys(kv, kt, start, L)
+        q = qkv[:, :, :H].transpose(1, 2)  # [B, H, T, D]
+        if plan.kind == "masked":
+            mask = plan.sliding if window else plan.full
+            return self.attend(q, k_all, v_all, L, mask, None)
+        if plan.kind == "rows":
+            return torch.cat([self.attend(q[:, :, i:i + 1], k_all, v_all, start + i + 1, None, window)
+                              for i in range(T)], dim=2)
+        if plan.kind == "paths":
+            outs = []
+            for i, path in enumerate(plan.paths):
+                # lay this node's root-to-node path into consecutive slots: exactly the cache a decode step of
+                # this token would see after the path had been accepted
+                kv[:, start:start + len(path)] = new_kv[:, path]
+                outs.append(self.attend(q[:, :, i:i + 1], k_all, v_all, start + len(path), None, window))
+            kv[:, start:L] = new_kv  # node order again, for cache.keep() after verification
+            return torch.cat(outs, dim=2)
+        # a single new token sees every earlier slot
+        return self.attend(q, k_all, v_all, L, None, window)
 
 
 class Transformer:
@@ -328,9 +341,13 @@ class Transformer:
             x = x * self.embed_scale
         plan = self._plan(positions, cache, start, T, parents, exact)
         a = self.args
-        rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
-        rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(
-            positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
+        if plan.kind == "kernel":  # rows of the tables, for kernels.rope_store()
+            rope = self.rope.rows(positions)
+            rope_local = rope if self.rope_local is self.rope else self.rope_local.rows(positions)
+        else:  # whole [1, T, H + 2 Hkv, D] tables, for apply_rope()
+            rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
+            rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(
+                positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
         for i, layer in enumerate(self.layers):
             kv, k_all, v_all = cache.kv[i], cache.k_all[i], cache.v_all[i]
             kt = cache.kt[i] if cache.kt is not None else None
