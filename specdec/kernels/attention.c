@@ -565,9 +565,13 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
         const float *c = cos + (long)t * D, *s = sin + (long)t * D;                                                \
         for (int h = 0; h < H + Hkv; h++) {                                                                        \
             T_ *x = row + (long)h * D;                                                                             \
-            float y[256];                                                                                          \
+            float f[256], y[256];                                                                                  \
             for (int d = 0; d < D; d++)                                                                            \
-                y[d] = LOAD(x[d]) * c[d] + LOAD(x[(d + D / 2) % D]) * s[d];                                        \
+                f[d] = LOAD(x[d]);                                                                                 \
+            for (int d = 0; d < D / 2; d++)                                                                        \
+                y[d] = f[d] * c[d] + f[d + D / 2] * s[d];                                                          \
+            for (int d = D / 2; d < D; d++)                                                                        \
+                y[d] = f[d] * c[d] + f[d - D / 2] * s[d];                                                          \
             for (int d = 0; d < D; d++)                                                                            \
                 x[d] = STORE(y[d]);                                                                                \
         }                                                                                                          \
