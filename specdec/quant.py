@@ -8,8 +8,7 @@ activations: with f32 activations they take a slow path (see MACHINE-FACTS.md), 
 to bf16 and the result back.
 
 - int8: symmetric, one scale per output row (absmax / 127).
-- int4: asymmetric, one (scale, minimum) per group of 32 input columns, like GGUF's Q4_1: w = q * scale + min
-  (PyTorch's kernel takes the same as w = (q - 8) * scale + zero with zero = min + 8 * scale).
+- int4: asymmetric, one (scale, zero) per group of 32 input columns, like GGUF's Q4_1: w = (q - 8) * scale + zero.
 """
 
 from __future__ import annotations
@@ -61,16 +60,16 @@ class Linear:
 
 
 class _Native(Linear):
-    """Quantized layers packed for specdec's matmul kernel when `native` (bits, weight = codes, scales, mins)."""
+    """Quantized layers packed for specdec's matmul kernel when `native` (bits, weight = codes, scales, zeros)."""
 
     native: bool
     bits: int
     scales: torch.Tensor
-    mins: torch.Tensor | None = None  # int4: per-group minimums (w = q s + m)
+    zeros: torch.Tensor | None = None
 
     def _kernel(self, x: torch.Tensor, norm=None, swiglu: bool = False, residual: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        return kernels.matmul(x, self.bits, self.weight, self.scales, self.mins, self.out_features,
+        return kernels.matmul(x, self.bits, self.weight, self.scales, self.zeros, self.out_features,
                               norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
                               swiglu, residual)
 
@@ -139,14 +138,14 @@ class Int4Linear(_Native):
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
         scale = ((hi - lo) / 15.0).clamp(min=1e-12)
         q = torch.round((g - lo) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
+        zero = lo + 8.0 * scale  # the kernels compute (q - 8) * scale + zero
         self.group = group
         self.bias = b.to(torch.bfloat16) if b is not None else None  # [N]
         self.out_features = n
         self.native = group == kernels.GROUP and kernels.matmul_supports(n, k, w.device)
-        if self.native:  # matmul.c: codes [N/16, K/32, 4, 64], scales and minimums [N/16, K/32, 16]
-            self.weight, self.scales, self.mins = kernels.pack_int4(q, scale.squeeze(-1), lo.squeeze(-1))
+        if self.native:  # matmul.c: codes [N/16, K/32, 4, 64], scales and zeros [N/16, K/32, 16]
+            self.weight, self.scales, self.zeros = kernels.pack_int4(q, scale.squeeze(-1), zero.squeeze(-1))
         else:  # PyTorch's: packed [N, K/2] uint8, scales_zeros [K/g, N, 2]
-            zero = lo + 8.0 * scale  # PyTorch's kernel computes (q - 8) * scale + zero
             sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1).contiguous()
             self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales_zeros = sz.to(torch.bfloat16)
@@ -156,7 +155,7 @@ class Int4Linear(_Native):
                           self.out_features)
 
     def tensors(self) -> list[torch.Tensor]:
-        parts = (self.weight, self.scales, self.mins) if self.native else (self.weight, self.scales_zeros)
+        parts = (self.weight, self.scales, self.zeros) if self.native else (self.weight, self.scales_zeros)
         return [t for t in (*parts, self.bias) if t is not None]
 
 

@@ -30,18 +30,18 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int4_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Int4Linear's quantization for the kernel: codes [N, G, 32], scale and minimum [N, G] as bf16 values."""
+    """Int4Linear's quantization: codes [N, G, 32], scale and zero [N, G] as bf16 values."""
     n, k = w.shape
     g = w.reshape(n, k // 32, 32)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15.0).clamp(min=1e-12)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
-    return q, scale.bfloat16().double(), lo.bfloat16().double()
+    return q, scale.bfloat16().double(), (lo + 8.0 * scale).bfloat16().double()
 
 
 def dequant_int4(w: torch.Tensor) -> torch.Tensor:
-    q, s, m = int4_codes(w)
-    return (q.double() * s[..., None] + m[..., None]).reshape(w.shape)
+    q, s, z = int4_codes(w)
+    return ((q.double() - 8) * s[..., None] + z[..., None]).reshape(w.shape)
 
 
 def int8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,10 +57,10 @@ def dequant_int8(w: torch.Tensor) -> torch.Tensor:
 
 def reference_int4(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     qx, d = quantized_rows(x)
-    q, s, m = int4_codes(w)
+    q, s, z = int4_codes(w)
     dot = torch.einsum("tgj,ngj->tng", qx, q.double())  # exact integer sums
     sx = qx.sum(-1)[:, None, :]  # [T, 1, G]
-    return (d[:, None, :, 0] * (s[None] * dot + m[None] * sx)).sum(-1)
+    return (d[:, None, :, 0] * (s[None] * (dot - 8 * sx) + z[None] * sx)).sum(-1)
 
 
 def reference_int8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

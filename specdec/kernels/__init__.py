@@ -183,16 +183,16 @@ def matmul_supports(n: int, k: int, device: torch.device) -> bool:
     return device.type == "cpu" and n % LANES == 0 and k % GROUP == 0 and matmul_lib() is not None
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """matmul.c's int4 layout from codes q [N, K] (0..15) and per-group scale, minimum [N, K/32] (w = q s + m, as
-    GGUF Q4_1) -> (codes [N/16, K/32, 4, 64] uint8: instruction 2j in the low nibbles, 2j + 1 in the high ones;
-    scales and minimums [N/16, K/32, 16] bf16)."""
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """matmul.c's int4 layout from codes q [N, K] (0..15) and per-group scale, zero [N, K/32] (w = (q - 8) s + z)
+    -> (codes [N/16, K/32, 4, 64] uint8: instruction 2j in the low nibbles, 2j + 1 in the high ones; scales and
+    zeros [N/16, K/32, 16] bf16)."""
     N, K = q.shape
     nb, G = N // LANES, K // GROUP
     codes = q.to(torch.uint8).reshape(nb, LANES, G, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(nb, G, 4, 2, 64)
     packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).contiguous()
     per_block = lambda t: t.reshape(nb, LANES, G).transpose(1, 2).to(torch.bfloat16).contiguous()  # noqa: E731
-    return packed, per_block(scale), per_block(mins)
+    return packed, per_block(scale), per_block(zero)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
@@ -202,7 +202,7 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     return codes.reshape(N // LANES, LANES, K // GROUP, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
            n: int, norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T for x [..., K] (f32 or bf16) and a weight [n, K] packed by pack_int4 / pack_int8 -> [..., n] in
@@ -218,7 +218,7 @@ def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor
     if residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()):
         residual = residual.to(x.dtype).contiguous()
     rc = matmul_lib().specdec_matmul(x.data_ptr(), x.numel() // k, k, n, bits, codes.data_ptr(), scales.data_ptr(),
-                                     mins.data_ptr() if mins is not None else None, y.data_ptr(), DTYPES[x.dtype],
+                                     zeros.data_ptr() if zeros is not None else None, y.data_ptr(), DTYPES[x.dtype],
                                      norm.data_ptr() if norm is not None else None, eps, swiglu,
                                      residual.data_ptr() if residual is not None else None)
     if rc != 0:

@@ -1,18 +1,20 @@
 /* Weight-only quantized matmul y = x W^T for decode and verification steps (CPU, AVX-512 VNNI), batch-invariant.
 
-   W [N, K] is int4 (asymmetric, one scale and minimum per group of 32 inputs, as GGUF Q4_1: w = q s + m) or int8
+   W [N, K] is int4 (asymmetric, one scale and zero per group of 32 inputs: w = (q - 8) s + z, i.e. GGUF Q4_1's
+   w = q s + m with m = z - 8 s) or int8
    (symmetric, one scale per output row: w = q s). The activations x [T, K] are quantized on the fly to int8, one
    scale per row and group of 32 (d = max|x| / 127, as llama.cpp's Q8_1 / Q8_0 activations), so that every group's
    products are exact integer dot products (VPDPBUSD: 64 u8 x s8 products per instruction) and only the per-group
    rescaling is floating point:
 
-     y[t, n] = sum_g (d[t, g] s[n, g]) dot_g  +  sum_g m[n, g] (d[t, g] sum_g(qx))                 (int4)
+     y[t, n] = sum_g (d[t, g] s[n, g]) dot_g  +  sum_g m[n, g] (d[t, g] sum_g(qx))                 (int4, m = z - 8 s)
      y[t, n] = s[n] * (sum_g d[t, g] dot_g  -  sum_g 128 d[t, g] sum_g(qx))                       (int8)
 
    where dot_g = sum over the group of (weight code, stored unsigned: q for int4, q + 128 for int8) * qx. The terms
    that do not involve the weight codes (d sum(qx) per row and group; for int8 the whole second sum, one number per
-   row) are computed once per activation row, so the inner loop is the 8 integer instructions and 3 float ones
-   (int4; 2 for int8) per row, group and block of 16 outputs.
+   row) are computed once per activation row, and m = z - 8 s (exact in f32: both are bf16) once per group and block
+   of 16 outputs, so the inner loop is the 8 integer instructions and 3 float ones (int4; 2 for int8) per row, group
+   and block.
 
    Layout: output rows in blocks of 16 (one 32-bit lane each), so no horizontal sums are needed. For a block and a
    group, instruction i (i = 0..7) covers inputs 4i..4i+3: its 64 bytes hold, lane by lane, the 4 weight codes of
@@ -146,7 +148,7 @@ static inline __m512i group_dot(const __m512i u[8], const int8_t *q) {
 
 /* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS. The scale and minimum terms accumulate
    apart (y, ym), so each row's dependency chain is one FMA per group. */
-static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *m, int G, const int8_t *qx,
+static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
                               const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
     __m512 y[ROWS], ym[ROWS];
     for (int r = 0; r < ROWS; r++) y[r] = ym[r] = _mm512_setzero_ps();
@@ -156,7 +158,7 @@ static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_
 #if PREFETCH
         for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wg + PREFETCH + 64 * j), _MM_HINT_T0);
         _mm_prefetch((const char *)(s + (long)g * LANES + PREFETCH / 8), _MM_HINT_T0);
-        _mm_prefetch((const char *)(m + (long)g * LANES + PREFETCH / 8), _MM_HINT_T0);
+        _mm_prefetch((const char *)(z + (long)g * LANES + PREFETCH / 8), _MM_HINT_T0);
 #endif
         __m512i u[8];
         for (int j = 0; j < 4; j++) {
@@ -164,7 +166,8 @@ static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_
             u[2 * j] = _mm512_and_si512(p, lo);
             u[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
         }
-        __m512 sg = load_bf16x16(s + (long)g * LANES), mg = load_bf16x16(m + (long)g * LANES);
+        __m512 sg = load_bf16x16(s + (long)g * LANES);
+        __m512 mg = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES)); /* z - 8 s */
         for (int r = 0; r < nt; r++) {
             __m512i a = group_dot(u, qx + (long)(t0 + r) * K + (long)g * GROUP);
             long gi = (long)(t0 + r) * G + g;
@@ -197,13 +200,13 @@ static inline void block_int8(const uint8_t *w, const uint16_t *s, int G, const 
 }
 
 /* One block of 16 weight rows, all T rows of x: acc [T, 16]. */
-static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *m, int bits, int G, long b,
+static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, int bits, int G, long b,
                       const int8_t *qx, const float *d, const float *ds, const float *c, int K, int T, float *acc) {
     long wblock = (long)G * (bits == 4 ? 256 : 512); /* bytes of codes per block of 16 rows */
     for (int t0 = 0; t0 < T; t0 += ROWS) {
         int nt = T - t0 < ROWS ? T - t0 : ROWS;
         if (bits == 4)
-            block_int4(w + b * wblock, s + b * G * LANES, m + b * G * LANES, G, qx, d, ds, K, t0, nt,
+            block_int4(w + b * wblock, s + b * G * LANES, z + b * G * LANES, G, qx, d, ds, K, t0, nt,
                        acc + t0 * LANES);
         else
             block_int8(w + b * wblock, s + b * LANES, G, qx, d, c, K, t0, nt, acc + t0 * LANES);
@@ -212,14 +215,14 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *m, in
 
 #endif
 
-/* y = x [T, K] W^T, W [N, K]. bits: 4 or 8. w: packed codes (see the header), s / m: bf16 scales / minimums laid out
-   [N/16, K/32, 16] (int4) or s [N] (int8, m unused). x, y and residual are bf16 when bf16 != 0, else f32.
+/* y = x [T, K] W^T, W [N, K]. bits: 4 or 8. w: packed codes (see the header), s / z: bf16 scales / zeros laid out
+   [N/16, K/32, 16] (int4) or s [N] (int8, z unused). x, y and residual are bf16 when bf16 != 0, else f32.
    norm: f32 [K] RMSNorm weight applied to x's rows first (eps inside the root), or NULL. swiglu: y [T, N/2] =
    silu(x Wg^T) * (x Wu^T) with Wg, Wu the first and second N/2 rows. residual: y = residual + x W^T, or NULL.
    Returns 0, -1 when out of memory, -2 when the shapes are not multiples of 16 rows / 32 inputs (32 rows with
    swiglu) or the kernel is not built for this CPU. */
 int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *w, const uint16_t *s,
-                   const uint16_t *m, void *y, int bf16, const float *norm, float eps, int swiglu,
+                   const uint16_t *z, void *y, int bf16, const float *norm, float eps, int swiglu,
                    const void *residual) {
 #if HAVE_VNNI
     if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || (bits != 4 && bits != 8) || T < 1) return -2;
@@ -238,8 +241,8 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
         if (!acc) failed = 1;
         _Pragma("omp for schedule(static)") for (int b = 0; b < (swiglu ? blocks / 2 : blocks); b++) {
             if (!acc) continue;
-            block_all(w, s, m, bits, G, b, qx, d, ds, c, K, T, acc);
-            if (swiglu) block_all(w, s, m, bits, G, b + blocks / 2, qx, d, ds, c, K, T, acc + T * LANES);
+            block_all(w, s, z, bits, G, b, qx, d, ds, c, K, T, acc);
+            if (swiglu) block_all(w, s, z, bits, G, b + blocks / 2, qx, d, ds, c, K, T, acc + T * LANES);
             for (int t = 0; t < T; t++) {
                 __m512 v = _mm512_loadu_ps(acc + t * LANES);
                 if (swiglu) v = silu_mul(v, _mm512_loadu_ps(acc + (T + t) * LANES));
@@ -253,7 +256,7 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
     free(qx), free(d), free(ds), free(c);
     return failed ? -1 : 0;
 #else
-    (void)x, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)m, (void)y, (void)bf16, (void)norm;
+    (void)x, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)z, (void)y, (void)bf16, (void)norm;
     (void)eps, (void)swiglu, (void)residual;
     return -2;
 #endif
