@@ -13,7 +13,7 @@
    where dot_g = sum over the group of (weight code, stored unsigned: q for int4, q + 128 for int8) * qx. The terms
    that do not involve the weight codes (d sum(qx) per row and group; for int8 the whole second sum, one number per
    row) are computed once per activation row, and m = z - 8 s (exact in f32: both are bf16) once per group and block
-   of 16 outputs, so the inner loop is the 8 integer instructions and 3 float ones (int4; 2 for int8) per row, group
+   of 16 outputs, so the inner loop is the 8 integer instructions and 4 float ones (int4; 2 for int8) per row, group
    and block.
 
    Layout: output rows in blocks of 16 (one 32-bit lane each), so no horizontal sums are needed. For a block and a
