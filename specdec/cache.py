@@ -8,9 +8,28 @@ slot's RoPE position, which sliding-window layers compare against.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from . import kernels
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero tensor whose memory is taken only as it is written (on CPU: an anonymous mapping, whose pages the
+    kernel zero-fills on first touch; torch.zeros would write, and so commit, all of it at once). A cache sized for
+    -c 4096 thus costs only the slots a conversation fills."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    size = count * torch.empty((), dtype=dtype).element_size()
+    if size < 1 << 20:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)  # 2 MB pages where the kernel allows: fewer TLB misses in attention
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
 
 class ContextFull(Exception):
@@ -22,7 +41,7 @@ class KVCache:
                  device: torch.device | str = "cpu", batch: int = 1, transposed_keys: bool = False):
         # keys and values side by side, so one copy writes both: kv[l, :, s, :Hkv] = K, kv[l, :, s, Hkv:] = V
         # batch > 1 only for sequences that advance in lockstep (train-mtp samples one prompt several times)
-        self.kv = torch.zeros(n_layers, batch, max_len, 2 * n_kv_heads, head_dim, dtype=dtype, device=device)
+        self.kv = lazy_zeros((n_layers, batch, max_len, 2 * n_kv_heads, head_dim), dtype, device)
         # per-layer views as attention reads them: [B, Hkv, S, D] (made once; slicing them per step is one op)
         self.k_all = [self.kv[i, :, :, :n_kv_heads].transpose(1, 2) for i in range(n_layers)]
         self.v_all = [self.kv[i, :, :, n_kv_heads:].transpose(1, 2) for i in range(n_layers)]

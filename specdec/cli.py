@@ -20,7 +20,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct Q4_1; "
                         "aliases: smollm2, gemma3-270m)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context window in tokens (default 4096)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context window in tokens (default 4096, or the "
+                                                                    "model's trained context if shorter); more than "
+                                                                    "the trained context is allowed, with a warning")
     p.add_argument("--dtype", default="auto", help="activations: auto, f32, bf16, f16 (auto: bf16 with quantized "
                                                    "weights on CPU and on GPUs, else f32)")
     p.add_argument("--quant", default="auto", help="weights: auto, none, int8, int4 (auto: a quantized GGUF stays "
@@ -306,8 +308,8 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     s = result.stats
-    print(f"\nload {target.load_seconds:.2f} s ({target.file_type}; in memory {target.model.weight_format}, "
-          f"{str(target.model.dtype).removeprefix('torch.')} activations) | prompt {s.prompt_tokens} tokens, "
+    print(f"\n{target.load_summary()} | {target.file_type}; in memory {target.model.weight_format}, "
+          f"{str(target.model.dtype).removeprefix('torch.')} activations | prompt {s.prompt_tokens} tokens, "
           f"{s.prefill_tok_s:.1f} tok/s | generated {s.generated_tokens} tokens, {s.decode_tok_s:.1f} tok/s | "
           f"finish: {result.finish_reason}", file=sys.stderr)
     if proposer is not None:
@@ -315,7 +317,8 @@ def cmd_generate(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
-                       "load_s": target.load_seconds, "stats": s.to_dict()}, f, indent=1)
+                       "load_s": target.load_seconds, "load": {"kind": target.load_kind, **target.load_split},
+                       "stats": s.to_dict()}, f, indent=1)
     return 0
 
 
@@ -354,5 +357,15 @@ def torch_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def entry() -> None:
+    """The `specdec` command: main(), then exit without the interpreter's teardown. Tearing down torch's modules
+    and thread pools takes ~0.25 s after the work is done (measured here on a 1.2 s `generate -n 64`); output is
+    flushed and every file written is closed by then."""
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

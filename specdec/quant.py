@@ -13,12 +13,15 @@ to bf16 and the result back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from . import kernels
 
 INT4_GROUP = 32
+CHUNK = 4096  # rows quantized at a time
 
 
 def has_int4_kernel() -> bool:
@@ -57,6 +60,11 @@ class Linear:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.bias) if t is not None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [...] of W as float32 [..., K]: embedding lookups from the table a tied output head holds,
+        with no second (float) copy of it."""
+        return self.weight[ids].float()
 
 
 class _Native(Linear):
@@ -110,9 +118,12 @@ class Int8Linear(_Native):
     bits = 8
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
-        w = w.float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+        q = torch.empty(w.shape, dtype=torch.int8)  # [N, K]
+        scale = torch.empty(w.shape[0])  # [N]
+        for r in range(0, w.shape[0], CHUNK):  # by rows: an f32 temporary per chunk, not per matrix
+            x = w[r:r + CHUNK].float()
+            scale[r:r + CHUNK] = (x.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+            q[r:r + CHUNK] = torch.round(x / scale[r:r + CHUNK, None]).clamp(-127, 127)
         self.scales = scale.to(torch.bfloat16)  # [N]
         self.bias = b.to(torch.bfloat16) if b is not None else None  # [N]
         self.out_features = w.shape[0]
@@ -121,6 +132,15 @@ class Int8Linear(_Native):
 
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         return _bf16_call(x, lambda x2: _int8_mm(x2, self.weight, self.scales), self.bias, self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.native:  # codes [N/16, K/32, 8, 64]: 64 bytes = 16 lanes (rows) x 4 inputs, stored as q + 128
+            nb, G = self.weight.shape[:2]
+            codes = self.weight.view(nb, G, 8, kernels.LANES, 4)[ids // kernels.LANES, :, :, ids % kernels.LANES]
+            q = codes.reshape(*ids.shape, G * kernels.GROUP).float() - 128.0
+        else:
+            q = self.weight[ids].float()
+        return q * self.scales[ids].float()[..., None]
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.scales, self.bias) if t is not None]
@@ -132,43 +152,101 @@ class Int4Linear(_Native):
 
     bits = 4
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, group: int = INT4_GROUP):
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, group: int = INT4_GROUP, lookup: bool = False):
         n, k = w.shape
-        g = w.float().reshape(n, k // group, group)
-        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-        scale = ((hi - lo) / 15.0).clamp(min=1e-12)
-        q = torch.round((g - lo) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
-        zero = lo + 8.0 * scale  # the kernels compute (q - 8) * scale + zero
+        q = torch.empty(n, k, dtype=torch.uint8)
+        scale, zero = torch.empty(n, k // group), torch.empty(n, k // group)
+        for r in range(0, n, CHUNK):  # by rows: an f32 temporary per chunk, not per matrix
+            g = w[r:r + CHUNK].float().reshape(-1, k // group, group)
+            lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+            sc = ((hi - lo) / 15.0).clamp(min=1e-12)
+            q[r:r + CHUNK] = torch.round((g - lo) / sc).clamp(0, 15).reshape(-1, k)
+            scale[r:r + CHUNK], zero[r:r + CHUNK] = sc[..., 0], (lo + 8.0 * sc)[..., 0]  # w = (q - 8) scale + zero
+        self._pack(q, scale, zero, b, group, lookup)
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, b: torch.Tensor | None,
+                   lookup: bool = False) -> Int4Linear:
+        """From codes q [N, K] (0..15) and per-group scale, zero [N, K/32] (w = (q - 8) scale + zero), e.g. a GGUF
+        Q4_0 / Q4_1 / Q4_K tensor's own codes, so no requantization error is added (only the rounding of scale and
+        zero to bf16)."""
+        self = cls.__new__(cls)
+        self._pack(q.to(torch.uint8), scale.float(), zero.float(), b, INT4_GROUP, lookup)
+        return self
+
+    def _pack(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, b: torch.Tensor | None, group: int,
+              lookup: bool = False) -> None:
+        """q [N, K] uint8 codes, scale / zero [N, K / group] f32; lookup: rows() will be asked (an embedding)."""
+        n, k = q.shape
         self.group = group
         self.bias = b.to(torch.bfloat16) if b is not None else None  # [N]
         self.out_features = n
-        self.native = group == kernels.GROUP and kernels.matmul_supports(n, k, w.device)
+        self.native = group == kernels.GROUP and kernels.matmul_supports(n, k, q.device)
         if self.native:  # matmul.c: codes [N/16, K/32, 4, 64], scales and zeros [N/16, K/32, 16]
-            self.weight, self.scales, self.zeros = kernels.pack_int4(q, scale.squeeze(-1), zero.squeeze(-1))
+            self.weight, self.scales, self.zeros = kernels.pack_int4(q, scale, zero)
         else:  # PyTorch's: packed [N, K/2] uint8, scales_zeros [K/g, N, 2]
-            sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1).contiguous()
-            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             self.scales_zeros = sz.to(torch.bfloat16)
+            if lookup:  # [N, K] for rows(), as PyTorch's packed layout is opaque
+                self.codes = q
 
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         return _bf16_call(x, lambda x2: _int4_mm(x2, self.weight, self.group, self.scales_zeros), self.bias,
                           self.out_features)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.native:  # codes [N/16, K/32, 4, 64]: instruction 2j in the low nibbles, 2j + 1 in the high ones
+            nb, G = self.weight.shape[:2]
+            blk, lane = ids // kernels.LANES, ids % kernels.LANES
+            c = self.weight.view(nb, G, 4, kernels.LANES, 4)[blk, :, :, lane]  # [..., G, 4, 4]
+            q = torch.stack([c & 15, c >> 4], dim=-2).reshape(*ids.shape, G, kernels.GROUP).float()
+            s = self.scales[blk, :, lane].float()  # [..., G]
+            z = self.zeros[blk, :, lane].float()
+        else:
+            G = self.codes.shape[1] // self.group
+            q = self.codes[ids].float().reshape(*ids.shape, G, self.group)
+            sz = self.scales_zeros.float()[:, ids]  # [G, ..., 2]
+            s, z = sz[..., 0].movedim(0, -1), sz[..., 1].movedim(0, -1)
+        return ((q - 8.0) * s[..., None] + z[..., None]).flatten(-2)
+
     def tensors(self) -> list[torch.Tensor]:
+        """What a forward reads (rows() codes of the fallback layout are not)."""
         parts = (self.weight, self.scales, self.zeros) if self.native else (self.weight, self.scales_zeros)
         return [t for t in (*parts, self.bias) if t is not None]
 
 
-def make_linear(w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype, quant: str,
-                source_bits: float = 32.0) -> Linear:
-    """The linear layer for weight `w` [N, K] under a quantization choice.
+def make_linear(w: torch.Tensor | Callable[[], torch.Tensor], b: torch.Tensor | None, dtype: torch.dtype,
+                quant: str, source_bits: float = 32.0, codes: tuple | None = None, lookup: bool = False) -> Linear:
+    """The linear layer for weight `w` [N, K] (or a function that makes it) under a quantization choice.
 
     "none" / "int8" / "int4" apply to every layer; "auto" keeps each tensor's precision class from the file:
-    int4 for tensors stored with at most ~5.5 bits per weight (Q4_*, Q5_*, Q2_K..Q5_K), int8 for the rest."""
+    int4 for tensors stored with at most ~5.5 bits per weight (Q4_*, Q5_*, Q2_K..Q5_K), int8 for the rest.
+    codes: the file's own int4 codes (LazyWeights.codes), used as they are when the layer becomes int4 in our
+    kernel's layout; lookup: the layer is (also) an embedding table, rows() will be asked."""
     if quant == "auto":
         quant = "int4" if source_bits <= 5.6 else "int8"
+    if quant == "int4" and codes is not None and codes[0].device.type == "cpu" and has_int4_kernel():
+        return Int4Linear.from_codes(*codes, b, lookup)
+    w = w() if callable(w) else w
     if quant == "int4" and w.device.type == "cpu" and has_int4_kernel() and w.shape[1] % INT4_GROUP == 0:
-        return Int4Linear(w, b)
+        return Int4Linear(w, b, lookup=lookup)
     if quant in ("int8", "int4") and w.device.type == "cpu":
         return Int8Linear(w, b)
     return Linear(w, b, dtype)
+
+
+def linear_state(lin: Linear) -> tuple[dict[str, torch.Tensor], dict]:
+    """A layer as (tensors, plain attributes), for the layout cache (weights/layout.py)."""
+    items = vars(lin).items()
+    return ({k: v for k, v in items if isinstance(v, torch.Tensor)},
+            {k: v for k, v in items if not isinstance(v, torch.Tensor)})
+
+
+def linear_from_state(cls_name: str, tensors: dict[str, torch.Tensor], attrs: dict) -> Linear:
+    """The layer linear_state() described, around the given tensors (no copy, no conversion)."""
+    cls = {c.__name__: c for c in (Linear, Int8Linear, Int4Linear)}[cls_name]
+    lin = cls.__new__(cls)
+    vars(lin).update(attrs)
+    vars(lin).update(tensors)
+    return lin

@@ -116,7 +116,9 @@ TILE = 32  # slots per tile of transposed keys (BLOCK in attention.c)
 
 def key_tiles(n_layers: int, n_kv: int, head_dim: int, max_len: int, dtype: torch.dtype) -> torch.Tensor:
     """Zeroed storage for the keys again, in tiles [layers, Hkv, tiles, D, 32] (see attention.c)."""
-    return torch.zeros(n_layers, n_kv, -(-max_len // TILE), head_dim, TILE, dtype=dtype)
+    from ..cache import lazy_zeros
+
+    return lazy_zeros((n_layers, n_kv, -(-max_len // TILE), head_dim, TILE), dtype)
 
 
 def store_keys(kv: torch.Tensor, kt: torch.Tensor, start: int, end: int) -> None:

@@ -24,7 +24,7 @@ class SubsetHead:
 
     def __init__(self, trunk: Transformer, ids: torch.Tensor, quant: str | None = None):
         self.ids = ids.to(trunk.device)  # [V_draft] target token ids
-        rows = trunk.embed[self.ids].float() if trunk.args.tie_embeddings else None
+        rows = trunk.embed.rows(self.ids) if trunk.args.tie_embeddings else None
         if rows is None:
             raise ValueError("a reduced draft vocabulary needs a model with tied embeddings")
         self.linear = make_linear(rows, None, trunk.dtype, quant or trunk.quant, 8.0)

@@ -38,7 +38,6 @@ rotates the MTP block with the trunk's positions; vLLM and SGLang pass the targe
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..cache import KVCache
 from ..config import ModelArgs, ModelError
@@ -51,24 +50,29 @@ class MTPModule:
 
     A plain object like Block (not an nn.Module). Its KV cache is its own 1-layer KVCache (``new_cache``)."""
 
-    def __init__(self, trunk: Transformer, w: dict[str, torch.Tensor], bits, args: ModelArgs, dtype: torch.dtype,
-                 quant: str):
+    def __init__(self, trunk: Transformer, src, prefix: str, args: ModelArgs, dtype: torch.dtype, quant: str):
+        """src: the weights (weights.LazyWeights or CachedWeights) holding this module's tensors under `prefix`
+        (e.g. "mtp.0.": mtp.0.eh_proj, mtp.0.attn_q ...)."""
         dev = trunk.device
         self.args, self.dtype, self.device, self.max_len = args, dtype, dev, trunk.max_len
         self.eps = args.norm_eps
 
         def twice(name: str) -> torch.Tensor:  # norm weights as rms_norm() takes them: [2, dim]
-            return torch.stack([w[name], w[name]]).to(dev, dtype)
+            w = src.raw(prefix + name)
+            return torch.stack([w, w]).to(dev, dtype)
+
+        def linear(name: str, lookup: bool = False):
+            return src.linear(prefix + name, lambda: make_linear(lambda: src[prefix + name].to(dev), None, dtype,
+                                                                 quant, src.bits(prefix + name), lookup=lookup))
 
         self.enorm, self.hnorm = twice("enorm"), twice("hnorm")  # [2, dim] each
-        self.eh_proj = make_linear(w["eh_proj"].to(dev), None, dtype, quant, bits("eh_proj"))  # [dim, 2 dim]
-        self.block = Block(args, w, bits, dtype, quant, sliding=False)
-        self.norm = twice("shared_head_norm") if "shared_head_norm" in w else trunk.output_norm  # [2, dim]
-        self.own_head = "shared_head_head" in w
-        self.head = (make_linear(w["shared_head_head"].to(dev), None, dtype, quant, bits("shared_head_head"))
-                     if self.own_head else trunk.output)  # [V, dim]
-        embed = w.get("embed_tokens")
-        self.embed = trunk.embed if embed is None else embed.to(dev, trunk.embed.dtype)  # [V, dim]
+        self.eh_proj = linear("eh_proj")  # [dim, 2 dim]
+        self.block = Block(args, src, prefix, dtype, quant, sliding=False, device=dev)
+        self.norm = twice("shared_head_norm") if prefix + "shared_head_norm" in src else trunk.output_norm  # [2, dim]
+        self.own_head = prefix + "shared_head_head" in src
+        self.head = linear("shared_head_head") if self.own_head else trunk.output  # [V, dim]
+        # the module's own copy of the embedding (DeepSeek-V3 ships one), else the trunk's; looked up as rows()
+        self.embed = linear("embed_tokens", lookup=True) if prefix + "embed_tokens" in src else trunk.embed
         self.rope = trunk.rope
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
@@ -95,7 +99,7 @@ class MTPModule:
         start = cache.reserve(T)
         L = start + T
         cache.pos[start:L] = positions
-        e = F.embedding(tokens, self.embed).to(self.dtype)  # [1, T, dim]
+        e = self.embed.rows(tokens).to(self.dtype)  # [1, T, dim]
         x = self.eh_proj(torch.cat([rms_norm(e, self.enorm, self.eps),
                                     rms_norm(h.to(self.dtype), self.hnorm, self.eps)], dim=-1))  # [1, T, dim]
         a = self.args
@@ -123,12 +127,8 @@ def load_mtp_modules(trunk: Transformer, weights, args: ModelArgs, dtype: torch.
         raise ModelError(f"MTP modules are supported on Llama-family trunks, not {args.arch}")
     modules = []
     for i in range(args.n_mtp_layers):
-        prefix = f"mtp.{i}."
-        w = {n[len(prefix):]: weights[n].to(trunk.device) for n in weights
-             if n.startswith(prefix) and ".hf." not in n}
         try:
-            bits = lambda *names, p=prefix: weights.bits(*(p + n for n in names))  # noqa: E731
-            modules.append(MTPModule(trunk, w, bits, args, dtype, quant))
+            modules.append(MTPModule(trunk, weights, f"mtp.{i}.", args, dtype, quant))
         except KeyError as e:
             raise ModelError(f"MTP module {i} lacks tensor {e}: the file is incomplete") from e
     return modules

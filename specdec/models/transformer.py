@@ -125,27 +125,42 @@ class Block:
     A plain object holding tensors (not an nn.Module): at decode time each layer is ~20 tiny ops, and Module's
     __call__ / __getattr__ machinery would cost as much as they do."""
 
-    def __init__(self, args: ModelArgs, w: dict, bits, dtype: torch.dtype, quant: str, sliding: bool):
+    def __init__(self, args: ModelArgs, src, prefix: str, dtype: torch.dtype, quant: str, sliding: bool,
+                 device: torch.device | None = None):
+        """src: the weights (weights.LazyWeights, or CachedWeights from the layout cache); prefix: this layer's
+        tensor names, e.g. "blk.3." (MTP modules: "mtp.0.")."""
         a = args
+        device = device or torch.device("cpu")
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.eps, self.scale, self.sliding = a.norm_eps, a.query_scale, sliding
         self.gelu = a.activation == "gelu_tanh"
         self.sandwich = a.sandwich_norms
-        bias = None
-        if a.qkv_bias:
-            bias = torch.cat([w["attn_q.bias"], w["attn_k.bias"], w["attn_v.bias"]])
-        self.wqkv = make_linear(torch.cat([w["attn_q"], w["attn_k"], w["attn_v"]]), bias, dtype, quant,
-                                bits("attn_q", "attn_k", "attn_v"))
-        self.wo = make_linear(w["attn_output"], None, dtype, quant, bits("attn_output"))
-        self.w13 = make_linear(torch.cat([w["ffn_gate"], w["ffn_up"]]), None, dtype, quant, bits("ffn_gate", "ffn_up"))
-        self.w2 = make_linear(w["ffn_down"], None, dtype, quant, bits("ffn_down"))
-        self.ffn_dim = w["ffn_gate"].shape[0]
-        self.attn_norm, self.ffn_norm = (RMSNorm(w[n], a.norm_eps, dtype) for n in ("attn_norm", "ffn_norm"))
-        self.post_attention_norm = RMSNorm(w["post_attention_norm"], a.norm_eps, dtype) if a.sandwich_norms else None
-        self.post_ffw_norm = RMSNorm(w["post_ffw_norm"], a.norm_eps, dtype) if a.sandwich_norms else None
+
+        def linear(key: str, names: tuple[str, ...], bias: tuple[str, ...] = ()):
+            full = [prefix + n for n in names]
+
+            def make():
+                w = lambda: torch.cat([src[n].to(device) for n in full])  # noqa: E731
+                b = torch.cat([src[prefix + n].to(device) for n in bias]) if bias else None
+                codes = src.codes(*full) if quant in ("auto", "int4") and device.type == "cpu" else None
+                return make_linear(w, b, dtype, quant, src.bits(*full), codes)
+
+            return src.linear(prefix + key, make)
+
+        self.wqkv = linear("wqkv", ("attn_q", "attn_k", "attn_v"),
+                           ("attn_q.bias", "attn_k.bias", "attn_v.bias") if a.qkv_bias else ())
+        self.wo = linear("wo", ("attn_output",))
+        self.w13 = linear("w13", ("ffn_gate", "ffn_up"))
+        self.w2 = linear("w2", ("ffn_down",))
+        self.ffn_dim = self.w13.out_features // 2
+        norm = lambda n: RMSNorm(src.raw(prefix + n).to(device), a.norm_eps, dtype)  # noqa: E731
+        self.attn_norm, self.ffn_norm = norm("attn_norm"), norm("ffn_norm")
+        self.post_attention_norm = norm("post_attention_norm") if a.sandwich_norms else None
+        self.post_ffw_norm = norm("post_ffw_norm") if a.sandwich_norms else None
         # q/k RMSNorm weights, one row per q head then per k head: [H + Hkv, D]
-        self.qk_norm = torch.cat([w["attn_q_norm"].expand(a.n_heads, -1), w["attn_k_norm"].expand(a.n_kv_heads, -1)]
-                                 ).to(dtype) if a.qk_norm else None
+        self.qk_norm = torch.cat([src.raw(prefix + "attn_q_norm").expand(a.n_heads, -1),
+                                  src.raw(prefix + "attn_k_norm").expand(a.n_kv_heads, -1)]
+                                 ).to(device, dtype) if a.qk_norm else None
 
     def attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, end: int, mask: torch.Tensor | None,
                window: int | None) -> torch.Tensor:
@@ -234,26 +249,30 @@ class Transformer:
                  max_len: int | None = None, device: str | torch.device = "cpu", progress=None):
         self.args, self.dtype, self.quant = args, dtype, quant
         self.device = dev = torch.device(device)
-        self.max_len = min(max_len or args.max_seq_len, args.max_seq_len)
-        embed = weights["token_embd"].to(dev)  # [V, dim]
-        if embed.shape[0] != args.vocab_size:
-            raise ModelError(f"token_embd has {embed.shape[0]} rows, config says vocab {args.vocab_size}")
-        # quantized models keep the embedding table in bf16: a lookup reads T rows, so it costs memory, not speed
-        self.embed = embed.to(torch.bfloat16 if quant != "none" else dtype)  # [V, dim]
-        head = "token_embd" if args.tie_embeddings else "output"
-        self.output = make_linear(embed if args.tie_embeddings else weights["output"].to(dev), None, dtype, quant,
-                                  weights.bits(head))
-        del embed
-        self.output_norm = torch.stack([weights["output_norm"]] * 2).to(dev, dtype)  # [2, dim], see rms_norm
+        self.max_len = max_len or min(args.max_seq_len, 4096)
+        w = weights
+        codes = lambda n: w.codes(n) if quant in ("auto", "int4") and dev.type == "cpu" else None  # noqa: E731
+        embed = lambda: w["token_embd"].to(dev)  # noqa: E731
+        # the embedding is looked up from a layer's table (Linear.rows): the output head's when they are tied, so a
+        # quantized model keeps no float copy of it
+        table = lambda: make_linear(embed, None, dtype, quant, w.bits("token_embd"), codes("token_embd"),  # noqa
+                                    lookup=True)
+        if args.tie_embeddings:
+            self.output = self.embed = w.linear("output", table)
+        else:
+            self.output = w.linear("output", lambda: make_linear(lambda: w["output"].to(dev), None, dtype, quant,
+                                                                 w.bits("output"), codes("output")))
+            self.embed = w.linear("token_embd", table)
+        if self.embed.out_features != args.vocab_size:
+            raise ModelError(f"token_embd has {self.embed.out_features} rows, config says vocab {args.vocab_size}")
+        self.output_norm = torch.stack([w.raw("output_norm")] * 2).to(dev, dtype)  # [2, dim], see rms_norm
         self.layers: list[Block] = []
         for i in range(args.n_layers):
             prefix = f"blk.{i}."
-            w = {n[len(prefix):]: weights[n].to(dev) for n in weights if n.startswith(prefix) and ".hf." not in n}
-            if not w:
+            if f"{prefix}attn_norm" not in w:
                 raise ModelError(f"the model file lacks layer {i}: it is incomplete")
             try:
-                bits = lambda *names, p=prefix: weights.bits(*(p + n for n in names))  # noqa: E731
-                self.layers.append(Block(args, w, bits, dtype, quant, args.sliding_layers[i]))
+                self.layers.append(Block(args, w, prefix, dtype, quant, args.sliding_layers[i], dev))
             except KeyError as e:
                 raise ModelError(f"layer {i} lacks tensor {e}: the file is incomplete or not {args.arch}") from e
             if progress:
@@ -336,7 +355,7 @@ class Transformer:
         start = cache.reserve(T)
         L = start + T
         cache.pos[start:L] = positions
-        x = F.embedding(tokens, self.embed).to(self.dtype)
+        x = self.embed.rows(tokens).to(self.dtype)
         if self.args.embed_scale != 1.0:
             x = x * self.embed_scale
         plan = self._plan(positions, cache, start, T, parents, exact)

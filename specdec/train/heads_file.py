@@ -111,6 +111,7 @@ def load_heads(path: str | Path, target, dtype=None, quant: str | None = None):
              for k in range(header["depth"])]
         return "parallel", ParallelHeads(w, head, dtype or trunk.dtype, trunk.device), vocab_map
     from ..models.mtp import MTPModule
+    from ..weights import LazyWeights
     from ..weights.hf import canonical_name
 
     per_module: dict[int, dict[str, torch.Tensor]] = {}
@@ -122,7 +123,8 @@ def load_heads(path: str | Path, target, dtype=None, quant: str | None = None):
     modules = []
     for i in range(header["depth"]):
         try:
-            mod = MTPModule(trunk, per_module[i], lambda *names: 16.0, trunk.args, dtype or trunk.dtype,
+            src = LazyWeights.of({f"mtp.{i}.{n}": t for n, t in per_module[i].items()}, bits=16.0)
+            mod = MTPModule(trunk, src, f"mtp.{i}.", trunk.args, dtype or trunk.dtype,
                             quant or ("none" if trunk.quant == "none" else "int8"))
         except KeyError as e:
             raise ModelError(f"{path} lacks tensor {e} of MTP module {i}: the file is incomplete") from e

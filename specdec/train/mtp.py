@@ -297,7 +297,7 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
     t_gen = time.perf_counter() - t0
     hs = hidden_states(target, seqs, work)
     ids = draft_vocab(seqs, cfg.vocab, args.vocab_size, set(target.tokenizer.eog_ids))
-    E = target.model.embed.float()  # [V, dim] the (tied) output head / embedding table
+    E = target.model.embed.rows(torch.arange(args.vocab_size))  # [V, dim] the (tied) output head / embedding table
     head = E[ids]  # [V_draft, dim]
     rope = Rope(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), max(len(s) for s in seqs) + 1,
                 torch.float32, "cpu")

@@ -18,13 +18,32 @@ from ..config import ModelArgs, ModelError
 
 
 class LazyWeights(Mapping[str, torch.Tensor]):
-    """Tensors produced on access (dequantized / converted one at a time, so peak memory stays low)."""
+    """Tensors produced on access (dequantized / converted one at a time, so peak memory stays low).
+
+    The model is built through three methods, so that the layout cache (weights/layout.py) can record what it keeps
+    and give it back later without converting anything: `raw(name)` for tensors kept as they are (norms), and
+    `linear(key, make)` / `table(key, make)` for layers and tables the model makes from source tensors (reading
+    them with `w[name]` inside `make`). With a `recorder` (a layout.LayoutWriter), each is written to the cache as
+    it is made and the model built here is only a scaffold (its layers hold no weights); the loader then maps the
+    finished entry."""
 
     def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]], source_bytes: dict[str, int],
-                 numel: dict[str, int]):
+                 numel: dict[str, int], codes: dict[str, Callable[[], tuple]] | None = None):
         self._loaders = loaders
         self.source_bytes = source_bytes  # bytes each tensor occupies in the file (for bandwidth accounting)
         self._numel = numel
+        # int4 codes taken from the file without dequantizing (GGUF Q4_0 / Q4_1 / Q4_K): name -> () -> (q, scale,
+        # zero) with q [N, K] in 0..15 and scale, zero [N, K / 32] (w = (q - 8) scale + zero)
+        self._codes = codes or {}
+        self.recorder = None
+        self.linears: dict[str, dict] = {}  # what was recorded: key -> {"class", "attrs"}
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor], bits: float = 32.0) -> LazyWeights:
+        """Tensors already in memory (e.g. read from a heads file), each counted as `bits` per weight."""
+        numel = {n: t.numel() for n, t in tensors.items()}
+        return cls({n: (lambda t=t: t) for n, t in tensors.items()}, {n: int(k * bits / 8) for n, k in numel.items()},
+                   numel)
 
     def bits(self, *names: str) -> float:
         """Most bits per weight among `names` in the file (32 when unknown)."""
@@ -34,14 +53,109 @@ class LazyWeights(Mapping[str, torch.Tensor]):
             out = max(out, 8.0 * self.source_bytes[name] / numel if numel else 32.0)
         return out
 
+    def codes(self, *names: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The int4 codes of `names` stacked by rows (as torch.cat of the matrices would be), when every one of them
+        is stored in a 4-bit format with groups of 32 (else None: dequantize and requantize)."""
+        if not names or not all(n in self._codes for n in names):
+            return None
+        parts = [self._codes[n]() for n in names]
+        return tuple(torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
+
+    def raw(self, name: str) -> torch.Tensor:
+        t = self[name]
+        if self.recorder is not None:
+            self.recorder.add(f"raw.{name}", t)
+        return t
+
+    def table(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        t = make()
+        if self.recorder is not None:
+            self.recorder.add(f"table.{key}", t)
+            return t[:0]
+        return t
+
+    def linear(self, key: str, make):
+        from ..quant import linear_state
+
+        lin = make()
+        if self.recorder is not None:
+            tensors, attrs = linear_state(lin)
+            for name, t in tensors.items():
+                self.recorder.add(f"lin.{key}.{name}", t)
+            self.linears[key] = {"class": type(lin).__name__, "attrs": attrs}
+            for name in tensors:  # the scaffold keeps no weights: the loader maps the entry instead
+                setattr(lin, name, getattr(lin, name)[:0])
+        return lin
+
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._loaders[name]()
+
+    def __contains__(self, name: object) -> bool:  # without loading the tensor (Mapping's default would)
+        return name in self._loaders
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._loaders)
 
     def __len__(self) -> int:
         return len(self._loaders)
+
+
+class CachedWeights(Mapping[str, torch.Tensor]):
+    """The same interface over a layout cache entry (weights/layout.py): raw tensors, tables and layers come back
+    as they were recorded, mapped from the entry; nothing is converted. Asking for a source tensor (which only
+    happens if the model code and the entry disagree) raises layout.StaleEntry, and the loader rebuilds."""
+
+    def __init__(self, meta: dict, tensors: dict[str, torch.Tensor]):
+        self.meta, self.tensors = meta, tensors
+        self.source_bytes: dict[str, int] = meta["source_bytes"]
+        self._numel: dict[str, int] = meta["numel"]
+        self._names: list[str] = meta["names"]
+        self._name_set = set(self._names)
+        self.linears: dict[str, dict] = meta["linears"]
+        self.recorder = None
+
+    bits = LazyWeights.bits
+
+    def _get(self, name: str) -> torch.Tensor:
+        from .layout import StaleEntry
+
+        if name not in self.tensors:
+            raise StaleEntry(f"the entry lacks {name}")
+        return self.tensors[name]
+
+    def codes(self, *names: str):
+        return None
+
+    def raw(self, name: str) -> torch.Tensor:
+        return self._get(f"raw.{name}")
+
+    def table(self, key: str, make) -> torch.Tensor:
+        return self._get(f"table.{key}")
+
+    def linear(self, key: str, make):
+        from ..quant import linear_from_state
+        from .layout import StaleEntry
+
+        spec = self.linears.get(key)
+        if spec is None:
+            raise StaleEntry(f"the entry lacks layer {key}")
+        prefix = f"lin.{key}."
+        tensors = {n[len(prefix):]: t for n, t in self.tensors.items() if n.startswith(prefix)}
+        return linear_from_state(spec["class"], tensors, spec["attrs"])
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from .layout import StaleEntry
+
+        raise StaleEntry(f"source tensor {name} asked of a cached layout")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._name_set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 @dataclass

@@ -15,7 +15,11 @@ never sees them.
 from __future__ import annotations
 
 import collections
+import math
+import mmap
 import re
+import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +39,7 @@ def _open(path: Path):
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelError(f"{path} is not a GGUF file (no GGUF magic): give a llama.cpp .gguf or a Hugging Face folder")
+    _check_header(path)
     try:
         reader = gguf.GGUFReader(path)
         # the reader maps tensor data lazily; touching the last tensor's bytes checks the file is complete
@@ -45,6 +50,127 @@ def _open(path: Path):
     if end > size:
         raise ModelError(f"{path} is truncated ({size} of {end} bytes): download the file again")
     return reader
+
+
+# byte size of each scalar GGUF value type (gguf.GGUFValueType); 8 = STRING and 9 = ARRAY have a length first
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_UINT32, _STRING, _ARRAY = 4, 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class _Cursor:
+    """Reads a GGUF header front to back and refuses every length that runs past the end of the file."""
+
+    def __init__(self, buf: mmap.mmap, path: Path):
+        self.buf, self.path, self.pos, self.order = buf, path, 0, "<"
+
+    def corrupt(self, what: str) -> ModelError:
+        return ModelError(f"{self.path} is truncated or corrupt ({what}): download the file again")
+
+    def skip(self, n: int, what: str) -> int:
+        """Step over n bytes; -> where they start."""
+        if n > len(self.buf) - self.pos:
+            raise self.corrupt(f"{what} runs past the end of the file")
+        self.pos += n
+        return self.pos - n
+
+    def ints(self, fmt: str, what: str) -> tuple[int, ...]:
+        fmt = self.order + fmt
+        return struct.unpack_from(fmt, self.buf, self.skip(struct.calcsize(fmt), what))
+
+    def string(self, what: str) -> str:
+        """A key or tensor name, cut to 64 printable characters (it is only quoted in messages, or compared)."""
+        n = self.ints("Q", what)[0]
+        start = self.skip(n, what)
+        text = self.buf[start:start + min(n, 64)].decode(errors="replace")
+        return "".join(ch if ch.isprintable() else "?" for ch in text) + ("..." if n > 64 else "")
+
+    def value(self, vtype: int, what: str) -> int | None:
+        """Step over one metadata value; -> the value when it is a UINT32 (general.alignment is one), else None."""
+        if vtype in _SCALAR_BYTES:
+            start = self.skip(_SCALAR_BYTES[vtype], what)
+            return struct.unpack_from(self.order + "I", self.buf, start)[0] if vtype == _UINT32 else None
+        if vtype == _STRING:
+            self.skip(self.ints("Q", what)[0], what)
+        elif vtype == _ARRAY:
+            itype, n = self.ints("IQ", what)
+            if itype in _SCALAR_BYTES:
+                self.skip(n * _SCALAR_BYTES[itype], what)
+            elif itype == _STRING:  # a vocabulary: ~100k strings, so the loop is kept tight
+                pos, end, fmt = self.pos, len(self.buf), self.order + "Q"
+                if n * 8 > end - pos:
+                    raise self.corrupt(f"{what} runs past the end of the file")
+                for _ in range(n):
+                    pos += 8 + (struct.unpack_from(fmt, self.buf, pos)[0] if pos + 8 <= end else end)
+                    if pos > end:
+                        raise self.corrupt(f"{what} runs past the end of the file")
+                self.pos = pos
+            else:  # llama.cpp's reader refuses nested arrays too
+                raise self.corrupt(f"{what} is an array of type {itype}")
+        else:
+            raise self.corrupt(f"{what} has unknown type {vtype}")
+        return None
+
+
+def _check_header(path: Path) -> None:
+    """Validate a GGUF header (KV metadata, then tensor infos) before gguf-py's GGUFReader trusts it, as llama.cpp's
+    gguf_init_from_file does: every count, string and array length must fit the file, value types must be known,
+    tensor dimensions positive (at most 4) and their product consistent with the tensor's type, and each tensor's
+    bytes aligned, inside the file and apart from the others. GGUFReader itself reads past the end as empty
+    arrays, so an array count that lies makes it loop, appending, until memory runs out."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        c = _Cursor(buf, path)
+        c.skip(4, "the magic")
+        version = c.ints("I", "the version")[0]
+        if version & 0xFFFF == 0:  # written on a big-endian machine (GGUFReader detects it the same way)
+            c.order, version = ">", int.from_bytes(version.to_bytes(4, "little"), "big")
+        if version not in (2, 3):
+            raise ModelError(f"{path} has GGUF version {version}, not 2 or 3: the file is corrupt or newer than "
+                             "specdec, download it again or update specdec")
+        n_tensors, n_kv = c.ints("QQ", "the header")
+        if 13 * n_kv + 24 * n_tensors > len(buf):  # the smallest KV takes 13 bytes, the smallest tensor info 24
+            raise c.corrupt(f"{n_tensors} tensors and {n_kv} metadata keys cannot fit in {len(buf)} bytes")
+        alignment = 32  # GGUF_DEFAULT_ALIGNMENT
+        for i in range(n_kv):
+            key = c.string(f"metadata key {i}")
+            value = c.value(c.ints("I", f"metadata '{key}'")[0], f"metadata '{key}'")
+            if key == "general.alignment":
+                if not value or value & (value - 1):
+                    raise c.corrupt(f"general.alignment {value} is not a power of two")
+                alignment = value
+        infos = []
+        for i in range(n_tensors):
+            what = f"tensor '{c.string(f'tensor info {i}')}'"
+            n_dims = c.ints("I", what)[0]
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise c.corrupt(f"{what} has {n_dims} dimensions")
+            dims = c.ints(f"{n_dims}Q", what)
+            ttype, offset = c.ints("IQ", what)
+            infos.append((offset, what, dims, ttype))
+        data = -(-c.pos // alignment) * alignment  # the data section starts at the next multiple of the alignment
+        readable = getattr(quants, "_type_traits", None)  # the types gguf.quants.dequantize handles, F32 and F16 aside
+        prev_end, prev = 0, ""
+        for offset, what, dims, ttype in sorted(infos):
+            try:
+                qtype = GGMLQuantizationType(ttype)
+            except ValueError:
+                raise c.corrupt(f"{what} has unknown type {ttype}") from None
+            if readable is not None and qtype not in readable and qtype.name not in ("F32", "F16"):
+                raise ModelError(f"{path}: {what} has type {qtype.name}, which specdec cannot dequantize: "
+                                 "use a file of F32, F16, BF16, Q4_0 ... Q8_0 or K-quant tensors")
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            if min(dims) < 1 or dims[0] % block:
+                raise c.corrupt(f"{what} has dimensions {list(dims)} for type {qtype.name}")
+            nbytes = math.prod(dims) // block * type_size
+            if offset % alignment:
+                raise c.corrupt(f"{what} starts at {offset}, not a multiple of {alignment}")
+            if offset < prev_end:
+                raise c.corrupt(f"{what} overlaps {prev}")
+            if data + offset + nbytes > len(buf):
+                raise c.corrupt(f"{what} ends at byte {data + offset + nbytes} of a {len(buf)}-byte file")
+            prev_end, prev = offset + nbytes, what
 
 
 def _meta(reader) -> dict:
@@ -69,13 +195,34 @@ def read_gguf(path: Path) -> LoadedModel:
     if arch not in FAMILIES:
         raise ModelError(f"unknown architecture '{arch}' in {path.name}: specdec supports {SUPPORTED}")
     tensors = {t.name.removesuffix(".weight"): t for t in reader.tensors}
-    args = _args_from_meta(arch, meta, tensors)
+    try:
+        args = _args_from_meta(arch, meta, tensors)
+    except (TypeError, ValueError, ArithmeticError) as e:  # a value of the wrong type, a zero head count ...
+        raise ModelError(f"{path} has corrupt metadata ({brief(e)}): download the file again") from e
 
     def canonical(name: str) -> str:
         m = _BLOCK_RE.match(name)
         if m and int(m[1]) >= args.n_layers:  # an MTP block: blk.{L+i}.nextn.eh_proj -> mtp.{i}.eh_proj
             return f"mtp.{int(m[1]) - args.n_layers}.{m[2].removeprefix('nextn.')}"
         return name
+
+    mm = getattr(reader.data, "_mmap", None)
+
+    def release(t) -> None:
+        """Drop this tensor's file pages from our mapping once it is converted: they stay in the page cache, but
+        no longer count in our resident memory (else a first load's RSS would grow by the whole file)."""
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        lo = t.data_offset // page * page
+        mm.madvise(mmap.MADV_DONTNEED, lo, min(t.data_offset + t.n_bytes, len(mm)) - lo)
+
+    def permuted(w: torch.Tensor, name: str) -> torch.Tensor:
+        if arch == "llama" and name.endswith(("attn_q", "attn_q.bias")):
+            return unpermute_rotary(w, args.n_heads)
+        if arch == "llama" and name.endswith(("attn_k", "attn_k.bias")):
+            return unpermute_rotary(w, args.n_kv_heads)
+        return w
 
     def loader(t, name: str):
         def load() -> torch.Tensor:
@@ -84,30 +231,126 @@ def read_gguf(path: Path) -> LoadedModel:
             shape = tuple(int(s) for s in reversed(t.shape))
             arr = np.ascontiguousarray(arr, dtype=np.float32)
             w = torch.from_numpy(arr if arr.flags.writeable else arr.copy()).reshape(shape)
-            if arch == "llama" and name.endswith(("attn_q", "attn_q.bias")):
-                w = unpermute_rotary(w, args.n_heads)
-            elif arch == "llama" and name.endswith(("attn_k", "attn_k.bias")):
-                w = unpermute_rotary(w, args.n_kv_heads)
-            return w
+            release(t)
+            return permuted(w, name)
 
         return load
 
-    loaders, nbytes, numel = {}, {}, {}
+    def code_loader(t, name: str):
+        def load() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            q, scale, zero = int4_codes(np.asarray(t.data), GGMLQuantizationType(t.tensor_type))
+            release(t)
+            return tuple(permuted(x, name) for x in (q, scale, zero))
+
+        return load
+
+    loaders, nbytes, numel, codes, shapes = {}, {}, {}, {}, {}
     for name, t in tensors.items():
         if name == "rope_freqs":
             continue  # folded into args.rope_scaling
         name = canonical(name)
+        shapes[name] = tuple(int(s) for s in reversed(t.shape))
         loaders[name] = loader(t, name)
+        if GGMLQuantizationType(t.tensor_type).name in INT4_CODES and len(t.shape) == 2:
+            codes[name] = code_loader(t, name)
         nbytes[name] = int(t.n_bytes)
         numel[name] = int(t.n_elements)
+    check_model(args, shapes, str(path))
     # the modules the file really holds (a converter may keep the metadata but drop the MTP tensors)
     args.n_mtp_layers = sum(f"mtp.{i}.eh_proj" in loaders for i in range(args.n_mtp_layers))
     args.mtp_layout = args.mtp_layout if args.n_mtp_layers else None
     types = collections.Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) == 2)
     main_type = types.most_common(1)[0][0] if types else "F32"
     mixed = "" if len(types) <= 1 else " (mixed: " + ", ".join(f"{k} x{v}" for k, v in types.most_common()) + ")"
-    return LoadedModel(args, LazyWeights(loaders, nbytes, numel), path, f"GGUF {main_type}{mixed}",
+    return LoadedModel(args, LazyWeights(loaders, nbytes, numel, codes), path, f"GGUF {main_type}{mixed}",
                        extra={"meta": meta})
+
+
+def brief(e: BaseException) -> str:
+    """An exception as a short single line, to quote inside a ModelError."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:160]}" if text else type(e).__name__
+
+
+def check_model(args: ModelArgs, shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """Refuse, in one line, a model whose config and tensors disagree, before the model is built from them.
+
+    args: the config as read; shapes: canonical tensor name -> PyTorch shape ([out, in] for matrices). The config
+    must be sane (sizes positive, heads a multiple of KV heads, an even head_dim for RoPE), and every tensor the
+    trunk reads (models/transformer.py) must exist with the shape the config implies. Both readers call this (the
+    names are llama.cpp's, hence its place here)."""
+    sizes = {"vocab_size": args.vocab_size, "dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
+             "n_kv_heads": args.n_kv_heads, "head_dim": args.head_dim, "ffn_dim": args.ffn_dim,
+             "max_seq_len": args.max_seq_len}
+    bad = [f"{k} = {v}" for k, v in sizes.items() if v < 1]
+    if not bad and args.n_heads % args.n_kv_heads:
+        bad.append(f"n_heads = {args.n_heads} is not a multiple of n_kv_heads = {args.n_kv_heads}")
+    if not bad and args.head_dim % 2:
+        bad.append(f"head_dim = {args.head_dim} is odd")
+    scaling = args.rope_scaling or {}
+    if scaling.get("rope_type") == "freq_factors" and len(scaling["factors"]) != args.head_dim // 2:
+        bad.append(f"rope_freqs has {len(scaling['factors'])} factors for head_dim {args.head_dim}")
+    need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if scaling.get("rope_type") == "llama3" and not all(isinstance(scaling.get(k), int | float) for k in need):
+        bad.append(f"llama3 rope scaling needs {', '.join(need)}")
+    if bad:
+        raise ModelError(f"{where}: the config is corrupt ({'; '.join(bad)}): download or convert the model again")
+    D, F, hd = args.dim, args.ffn_dim, args.head_dim
+    q, kv = args.n_heads * hd, args.n_kv_heads * hd
+    want = {"token_embd": (args.vocab_size, D), "output_norm": (D,)}
+    if not args.tie_embeddings:
+        want["output"] = (args.vocab_size, D)
+    layer = {"attn_norm": (D,), "attn_q": (q, D), "attn_k": (kv, D), "attn_v": (kv, D), "attn_output": (D, q),
+             "ffn_norm": (D,), "ffn_gate": (F, D), "ffn_up": (F, D), "ffn_down": (D, F)}
+    if args.qkv_bias:
+        layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+    if args.qk_norm:
+        layer.update(attn_q_norm=(hd,), attn_k_norm=(hd,))
+    if args.sandwich_norms:
+        layer.update(post_attention_norm=(D,), post_ffw_norm=(D,))
+    want.update({f"blk.{i}.{k}": shape for i in range(args.n_layers) for k, shape in layer.items()})
+    for name, shape in want.items():
+        if name not in shapes:
+            raise ModelError(f"{where} lacks tensor {name}: the file is incomplete, download or convert it again")
+        if tuple(shapes[name]) != shape:
+            raise ModelError(f"{where}: tensor {name} has shape {list(shapes[name])} where the config implies "
+                             f"{list(shape)}: the file is corrupt, download or convert it again")
+
+
+INT4_CODES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit formats whose codes our int4 layout holds as they are
+
+
+def int4_codes(blocks: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 / Q4_1 / Q4_K tensor's own codes and per-32 scales, without dequantizing: blocks [N, bytes per row]
+    -> (q [N, K] uint8 in 0..15, scale [N, K/32], zero [N, K/32] f32) with w = (q - 8) scale + zero.
+
+    Q4_0: w = d (q - 8); Q4_1: w = d q + m; Q4_K: super-blocks of 256 with 8 sub-blocks of 32, w = d sc q - dmin mn
+    (6-bit sc, mn; llama.cpp's get_scale_min_k4, here gguf-py's Q4_K.get_scale_min). Nibble order: Q4_0 / Q4_1 keep
+    element j in the low nibble of byte j and j + 16 in the high one; Q4_K does so per 64 elements (32 bytes)."""
+    from gguf.quants import Q4_K
+
+    name = qtype.name
+    N = blocks.shape[0]
+    if name in ("Q4_0", "Q4_1"):
+        b = blocks.reshape(N, -1, 18 if name == "Q4_0" else 20)
+        f16 = lambda x: x.copy().view(np.float16).astype(np.float32)[..., 0]  # noqa: E731
+        d = f16(b[..., :2])  # [N, G]
+        qs = b[..., 2 if name == "Q4_0" else 4:]  # [N, G, 16]
+        zero = np.zeros_like(d) if name == "Q4_0" else f16(b[..., 2:4]) + 8 * d
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, G, 32]
+        return torch.from_numpy(q.reshape(N, -1)), torch.from_numpy(d), torch.from_numpy(zero)
+    if name == "Q4_K":
+        b = blocks.reshape(-1, 144)  # every super-block of every row
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)
+        dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())
+        scale = d * sc.astype(np.float32)  # [blocks, 8]
+        zero = 8 * scale - dmin * mn.astype(np.float32)
+        qs = b[:, 16:].reshape(-1, 4, 1, 32)
+        q = np.concatenate([qs & 15, qs >> 4], axis=2)  # [blocks, 4, 2, 32]: 64 elements per 32 bytes
+        return (torch.from_numpy(q.reshape(N, -1)), torch.from_numpy(scale.reshape(N, -1)),
+                torch.from_numpy(zero.reshape(N, -1)))
+    raise ValueError(name)
 
 
 def _args_from_meta(arch: str, meta: dict, tensors: dict) -> ModelArgs:
@@ -135,6 +378,9 @@ def _args_from_meta(arch: str, meta: dict, tensors: dict) -> ModelArgs:
     n_layers = int(need("block_count")) - n_mtp  # llama.cpp counts the MTP blocks in block_count
     if n_layers < 1 or n_mtp < 0:
         raise ModelError(f"GGUF metadata: {arch}.nextn_predict_layers = {n_mtp} does not fit block_count")
+    if n_layers > len(tensors):  # before ModelArgs makes per-layer lists
+        raise ModelError(f"GGUF metadata: {arch}.block_count = {n_layers} for {len(tensors)} tensors: the file is "
+                         "corrupt, download it again")
     rope_scaling = None
     if "rope_freqs" in tensors:  # llama-3 rope scaling, precomputed by the converter as per-frequency divisors
         rope_scaling = {"rope_type": "freq_factors", "factors": np.asarray(tensors["rope_freqs"].data).tolist()}

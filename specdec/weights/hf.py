@@ -21,6 +21,7 @@ import torch
 
 from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError
 from . import LazyWeights, LoadedModel
+from .gguf import brief, check_model
 
 # HF per-layer names -> canonical (GGUF-style) names; Gemma's post_attention_layernorm differs, see _layer_map
 _LAYER = {
@@ -72,8 +73,9 @@ def _rope_params(cfg: dict) -> tuple[float, dict | None, float | None]:
     return theta, scaling, (float(local) if local is not None else None)
 
 
-def args_from_config(cfg: dict) -> ModelArgs:
-    """ModelArgs from a Hugging Face config.json dict (unknown keys are ignored)."""
+def args_from_config(cfg: dict, n_tensors: int | None = None) -> ModelArgs:
+    """ModelArgs from a Hugging Face config.json dict (unknown keys are ignored). n_tensors: how many tensors the
+    weights hold, when known: a layer count above it is refused (before per-layer lists are made)."""
     if "text_config" in cfg:  # multimodal wrapper (e.g. Gemma 3 4B+): the text model is what we run
         cfg = dict(cfg["text_config"], tie_word_embeddings=cfg.get("tie_word_embeddings", True))
     arch = cfg.get("model_type", "?")
@@ -84,6 +86,9 @@ def args_from_config(cfg: dict) -> ModelArgs:
     n_heads = int(cfg["num_attention_heads"])
     dim = int(cfg["hidden_size"])
     n_layers = int(cfg["num_hidden_layers"])
+    if n_tensors is not None and n_layers > n_tensors:
+        raise ModelError(f"config.json: num_hidden_layers = {n_layers} for {n_tensors} tensors: the folder is "
+                         "corrupt, download it again")
     theta, scaling, local_theta = _rope_params(cfg)
     layer_types = cfg.get("layer_types")
     window = cfg.get("sliding_window")
@@ -136,6 +141,17 @@ def canonical_name(hf_name: str, gemma: bool, n_layers: int | None = None) -> st
     return f"blk.{layer}.{short}{suffix}"
 
 
+def _open_shard(path: Path):
+    """safe_open(path), with a bad file (header length past the end, bad JSON, an unknown dtype, offsets that do
+    not match the shapes) as a ModelError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ModelError(f"{path} is truncated or corrupt ({brief(e)}): download it again") from e
+
+
 def read_hf(folder: Path) -> LoadedModel:
     """Read config.json and index the safetensors shards; tensors load (as float32) on access."""
     from safetensors import safe_open
@@ -145,24 +161,33 @@ def read_hf(folder: Path) -> LoadedModel:
         raise ModelError(f"{folder} has no config.json: give a GGUF file or a Hugging Face model folder")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelError(f"{cfg_path} is not valid JSON ({e}): download it again") from e
-    try:
-        args = args_from_config(cfg)
-    except KeyError as e:
-        raise ModelError(f"config.json lacks {e}: the model folder is incomplete") from e
+    except ValueError as e:  # bad JSON or bad UTF-8
+        raise ModelError(f"{cfg_path} is not valid JSON ({brief(e)}): download it again") from e
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{cfg_path} is not a JSON object: download it again")
+    arch = (cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg).get("model_type", "?")
+    if arch not in FAMILIES:  # said first: no point asking for the weights of a model we cannot run
+        raise ModelError(f"unknown architecture '{arch}' in config.json: specdec supports {SUPPORTED}")
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map: dict[str, str] = dict(json.loads(index.read_text())["weight_map"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelError(f"{index} is corrupt ({brief(e)}): download it again") from e
     elif (folder / "model.safetensors").exists():
-        weight_map = {}
-        with safe_open(folder / "model.safetensors", framework="pt") as f:
+        with _open_shard(folder / "model.safetensors") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     else:
         raise ModelError(f"{folder} has no model.safetensors (or index): convert the weights to safetensors")
     missing = sorted({s for s in weight_map.values() if not (folder / s).exists()})
     if missing:
         raise ModelError(f"{folder} lacks shard(s) {', '.join(missing)}: download them")
+    try:
+        args = args_from_config(cfg, n_tensors=len(weight_map))
+    except KeyError as e:
+        raise ModelError(f"config.json lacks {e}: the model folder is incomplete") from e
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as e:  # a value of the wrong type, a zero ...
+        raise ModelError(f"{cfg_path} has a bad value ({brief(e)}): download it again") from e
     gemma = args.family == "gemma3"
     handles: dict[str, object] = {}
 
@@ -184,17 +209,20 @@ def read_hf(folder: Path) -> LoadedModel:
         name = canonical_name(hf_name, gemma, args.n_layers)
         if name is not None:
             loaders[name] = loader(hf_name, shard, name)
+    shapes: dict[str, tuple[int, ...]] = {}
     for shard in set(weight_map.values()):
-        with safe_open(folder / shard, framework="pt") as f:
+        with _open_shard(folder / shard) as f:
             for k in f.keys():  # noqa: SIM118
                 sl = f.get_slice(k)
                 name = canonical_name(k, gemma, args.n_layers)
                 dtypes.add(sl.get_dtype())
                 if name is not None:
+                    shapes[name] = tuple(sl.get_shape())
                     numel[name] = math.prod(sl.get_shape())
                     nbytes[name] = numel[name] * {"F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
     if "output" not in loaders:
         args.tie_embeddings = True
+    check_model(args, shapes, str(folder))
     # the modules the file really holds (some uploads keep num_nextn_predict_layers but drop the tensors)
     args.n_mtp_layers = sum(f"mtp.{i}.eh_proj" in loaders for i in range(max(args.n_mtp_layers, 0)))
     mimo = any(k.startswith("model.mtp_layers.") for k in weight_map)

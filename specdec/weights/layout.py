@@ -1,0 +1,205 @@
+"""The layout cache: a model's weights as specdec keeps them in memory, written once, memory-mapped afterwards.
+
+Turning a GGUF file into the kernels' layout (dequantize or take the codes, requantize, pack, fuse q|k|v and
+gate|up) takes seconds for a small model and minutes for an 8B one, and llama.cpp users expect a model to open
+in about the time it takes to map it. So the first load records every tensor the model keeps (packed layers, norms,
+the embedding table) into one safetensors file under ``$SPECDEC_CACHE/layouts`` as it converts them, layer by layer,
+and later loads map that file (``mmap``, copy-on-write) and build the model around the mapped tensors without
+reading the source file at all: no dequantization, no GGUF parsing, and the weights' pages are shared with the page
+cache instead of copied.
+
+An entry is named by the source path and the settings that shape the layout (layout version, dtype, quantization,
+device, which kernels this machine runs, torch version); inside, its metadata records the source's identity (size,
+mtime and a hash of its header and of sampled chunks of its bytes). An entry whose identity, settings or structure
+does not check out (stale: the file changed; corrupt: truncated, garbled header, offsets past the end) is rebuilt,
+never trusted. Entries are written to a temporary file and renamed into place, so a crash mid-write leaves no entry.
+
+File format: standard safetensors (8-byte little-endian header length, JSON header, data), readable by the
+`safetensors` package. The header is reserved up front and padded with spaces (the format allows it) so that data
+can be streamed to disk while converting; tensors start on 64-byte boundaries (``__pad.N`` byte tensors fill the gaps,
+since safetensors forbids holes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+LAYOUT_VERSION = 1
+ALIGN = 64
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8",
+           torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
+_TORCH = {v: k for k, v in _DTYPES.items()}
+_SIZES = {"F32": 4, "BF16": 2, "F16": 2, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+
+
+class StaleEntry(Exception):
+    """A cache entry that does not match its source or settings, or is damaged: rebuild it."""
+
+
+def source_identity(path: Path) -> dict:
+    """What identifies a model file (or HF folder) for the cache: sizes and mtimes, plus a SHA-1 of its first MiB
+    (a GGUF's whole header: metadata and tensor table) and of 64 KiB samples spread over the data. A changed file
+    almost always changes size or mtime; the hash catches a same-size rewrite with a restored mtime."""
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors")) if path.is_dir() else [path]
+    h = hashlib.sha1()
+    stats = []
+    for f in files:
+        st = f.stat()
+        stats.append([f.name, st.st_size, st.st_mtime_ns])
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if st.st_size > 1 << 21:
+                for i in range(1, 33):
+                    fh.seek((st.st_size - (1 << 16)) * i // 32)
+                    h.update(fh.read(1 << 16))
+    return {"path": str(path.resolve()), "files": stats, "sample_sha1": h.hexdigest()}
+
+
+def cheap_identity(path: Path) -> list:
+    """Sizes and mtimes only (a stat per file): compared first, so a changed file is noticed without reading it."""
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors")) if path.is_dir() else [path]
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def entry_path(root: Path, source: Path, settings: dict) -> Path:
+    """One entry per (source path, settings): a rewritten file replaces its own entry instead of adding one."""
+    key = json.dumps({"path": str(source.resolve()), **settings}, sort_keys=True)
+    return root / "layouts" / f"{source.name[:48]}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.safetensors"
+
+
+class LayoutWriter:
+    """Streams tensors into a safetensors file as they are made; finish() writes the header and renames it."""
+
+    def __init__(self, path: Path, n_hint: int):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        self.tmp = Path(tmp)
+        self.f = os.fdopen(fd, "wb")
+        # ~160 bytes of JSON per tensor entry; a generous reserve, and a rewrite when even that is exceeded
+        self.reserve = _round_up(8 + 65536 + 400 * n_hint, ALIGN) - 8
+        self.f.seek(8 + self.reserve)
+        self.entries: dict[str, dict] = {}
+        self.offset = 0
+        self.pads = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if name in self.entries:
+            raise ValueError(f"layout cache: tensor {name} recorded twice")
+        t = t.detach().contiguous().cpu()
+        gap = _round_up(self.offset, ALIGN) - self.offset
+        if gap:
+            self.entries[f"__pad.{self.pads}"] = {"dtype": "U8", "shape": [gap],
+                                                  "data_offsets": [self.offset, self.offset + gap]}
+            self.f.write(b"\0" * gap)
+            self.pads += 1
+            self.offset += gap
+        n = t.numel() * t.element_size()
+        self.entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [self.offset, self.offset + n]}
+        if n:
+            self.f.write(t.view(-1).view(torch.uint8).numpy().data)
+        self.offset += n
+
+    def finish(self, metadata: dict[str, str]) -> None:
+        header = json.dumps({"__metadata__": metadata, **self.entries}, separators=(",", ":")).encode()
+        if len(header) > self.reserve:  # rare: copy the data behind a bigger header
+            self.f.close()
+            self._rewrite(header)
+        else:
+            self.f.seek(0)
+            self.f.write(struct.pack("<Q", self.reserve) + header + b" " * (self.reserve - len(header)))
+            self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def _rewrite(self, header: bytes) -> None:
+        size = _round_up(8 + len(header), ALIGN) - 8
+        fd, tmp2 = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as out, open(self.tmp, "rb") as src:
+            out.write(struct.pack("<Q", size) + header + b" " * (size - len(header)))
+            src.seek(8 + self.reserve)
+            while chunk := src.read(1 << 24):
+                out.write(chunk)
+        os.unlink(self.tmp)
+        self.tmp = Path(tmp2)
+
+    def abort(self) -> None:
+        try:
+            self.f.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+
+def _round_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def read_entry(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Map an entry -> (metadata, tensors backed by the mapping). Raises StaleEntry when it is damaged."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise StaleEntry("shorter than a header")
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(size - 8, 1 << 28):
+                raise StaleEntry("header length past the end")
+            header = json.loads(f.read(n))
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else None
+    except (OSError, ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        raise StaleEntry(f"unreadable ({type(e).__name__})") from e
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise StaleEntry("no metadata")
+    meta = header.pop("__metadata__")
+    tensors: dict[str, torch.Tensor] = {}
+    end = 0
+    for name, e in header.items():
+        try:
+            dtype, shape, (lo, hi) = e["dtype"], [int(s) for s in e["shape"]], e["data_offsets"]
+            count = 1
+            for s in shape:
+                count *= s
+            ok = dtype in _TORCH and min(shape, default=0) >= 0 and 0 <= lo <= hi and hi - lo == count * _SIZES[dtype]
+        except (KeyError, TypeError, ValueError) as err:
+            raise StaleEntry(f"bad entry {name}") from err
+        if not ok or 8 + n + hi > size:
+            raise StaleEntry(f"bad or truncated entry {name}")
+        end = max(end, hi)
+        if name.startswith("__pad."):
+            continue
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=_TORCH[dtype])
+        else:
+            tensors[name] = torch.frombuffer(mm, dtype=_TORCH[dtype], count=count, offset=8 + n + lo).view(shape)
+    if 8 + n + end != size:
+        raise StaleEntry("size does not match its header")
+    return meta, tensors
+
+
+def note(msg: str) -> None:
+    print(f"specdec: {msg}", file=sys.stderr, flush=True)
+
+
+def layout_settings(dtype: str, quant: str, device: torch.device) -> dict:
+    """What shapes the in-memory layout besides the source (dtype and quant as asked, e.g. "auto": the file and
+    these settings decide what they resolve to): a change in any of these needs another entry."""
+    from .. import kernels
+    from ..quant import has_int4_kernel
+
+    return {"version": LAYOUT_VERSION, "dtype": str(dtype), "quant": quant, "device": device.type,
+            "matmul_kernel": device.type == "cpu" and kernels.matmul_lib() is not None,
+            "int4_fallback": has_int4_kernel(), "torch": torch.__version__.split("+")[0]}
+
+
+def cache_enabled() -> bool:
+    return os.environ.get("SPECDEC_LAYOUT_CACHE", "1") != "0"
+
