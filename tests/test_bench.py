@@ -97,3 +97,62 @@ def test_llama_cpp_peer_parses_its_tools(tmp_path):
         LlamaCppPeer(tmp_path, "speculative", model, model)
     with pytest.raises(ValueError, match="no timing"):
         parse_llama_output("nothing here")
+
+
+FAKE_LOOKUP_NEW = """#!/bin/sh
+if [ "$1" = "-h" ]; then echo "--spec-draft-n-max N   number of tokens to draft"; exit 0; fi
+echo "decoded   32 tokens in    0.250 seconds, speed:  128.000 t/s" >&2
+"""
+FAKE_SILENT = f"""#!/bin/sh
+echo "{PERF}        eval time =   0.00 ms /     0 runs   (    0.00 ms per token,      0.00 tokens per second)" >&2
+"""
+
+
+def test_llama_cpp_peer_flags_of_new_builds_and_silent_runs(tmp_path):
+    """Recent llama.cpp renamed --draft-max to --spec-draft-n-max (read from -h); a tool that decodes nothing
+    (it stopped at once) gives no time instead of a division by zero."""
+    from specdec.bench.peers import LlamaCppPeer
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("llama-lookup", FAKE_LOOKUP_NEW), ("llama-completion", FAKE_SILENT)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    lookup = LlamaCppPeer(tmp_path, "lookup", model, draft_max=3)
+    cmd = lookup.command("hi", 32)
+    assert cmd[cmd.index("--spec-draft-n-max") + 1] == "3" and "--draft-max" not in cmd and "--ignore-eos" in cmd
+    assert LlamaCppPeer(tmp_path, "plain", model).run([1], "hi", 32)[0] == 0.0
+
+
+class _SilentPeer:
+    name, models = "silent peer", "target"
+
+    def run(self, ids, text, n):
+        return 0.0, None, {}
+
+
+def test_bench_baseline_is_plain_whatever_the_order(tmp_path):
+    """Speedups are against plain decoding even when another mode is listed first, a peer that decoded nothing
+    gets no speed (not a ZeroDivisionError), and the counts and time shares come from the median repeat."""
+    from specdec.bench.prompts import Prompt
+    from specdec.bench.run import build_modes, run_bench
+    from specdec.cli import build_parser
+    from specdec.loader import load
+
+    path = write_gguf("llama", tmp_path / "t.gguf", seed=2)
+    target = load(path, ctx=256)
+    args = build_parser().parse_args(["bench", "-m", str(path), "--mode", "ngram,plain"])
+    modes = build_modes(["ngram", "plain"], target, args)
+    assert [m.name for m in modes] == ["ngram", "plain"]
+    prompts = [Prompt("x", "one two three one two three one two", "1"), Prompt("x", "a b c a b c a b", "2")]
+    report = run_bench(target, modes, [_SilentPeer()], prompts, 10, 3, chat=False, ignore_eos=True,
+                       peaks={"read_gb_s": 10.0, "matmul_flop_s": 1e11})
+    rows = {(r["category"], r["mode"]): r for r in report["rows"]}
+    assert rows[("all", "plain")]["speedup"] == 1.0
+    ng = rows[("all", "ngram")]
+    assert ng["speedup"] == ng["tok_s"] / rows[("all", "plain")]["tok_s"]
+    assert rows[("all", "silent peer")]["tok_s"] is None and rows[("all", "silent peer")]["speedup"] is None
+    assert 0 < rows[("all", "plain")]["bus"] and 0 < rows[("all", "plain")]["compute"] < 1
+    assert 0 <= ng["draft_share"] < 1 and 0 < ng["verify_share"] <= 1

@@ -113,13 +113,22 @@ class LlamaCppPeer:
         if self.exe.name == "llama-simple":  # takes no sampling or thread flags: greedy, default threads
             return [str(self.exe), "-m", str(self.model), "-n", str(n), text]
         cmd = [str(self.exe), "-m", str(self.model), "-p", text, "-n", str(n), "--temp", "0", "-t", str(self.threads),
-               "-c", "4096"]
+               "-c", "4096", "--ignore-eos"]  # n tokens every run, as the specdec rows count them per token
         if self.mode == "plain":
             return cmd + ["-no-cnv"]  # one completion, no chat loop
-        cmd += ["--draft-max", str(self.draft_max)]
+        cmd += [self.draft_flag(), str(self.draft_max)]
         if self.mode == "speculative":
             cmd += ["-md", str(self.draft)]
         return cmd
+
+    def draft_flag(self) -> str:
+        """The draft-length flag this build takes: `--spec-draft-n-max` in recent llama.cpp, `--draft-max` before
+        (read once from the tool's -h)."""
+        if not hasattr(self, "_draft_flag"):
+            r = subprocess.run([str(self.exe), "-h"], capture_output=True, text=True, timeout=60,
+                               stdin=subprocess.DEVNULL)
+            self._draft_flag = "--spec-draft-n-max" if "--spec-draft-n-max" in r.stdout + r.stderr else "--draft-max"
+        return self._draft_flag
 
     def run(self, ids: list[int], text: str, n: int) -> tuple[float, list[int] | None, dict]:
         r = subprocess.run(self.command(text, n), capture_output=True, text=True, timeout=600,
@@ -127,8 +136,10 @@ class LlamaCppPeer:
         if r.returncode != 0:
             raise ValueError(f"{self.exe.name} failed (exit {r.returncode}): {r.stderr.strip()[-300:]}")
         seconds, tokens, counters = parse_llama_output(r.stderr + r.stdout)
+        if tokens <= 0 or seconds <= 0:  # it stopped at once: no decode speed to report (the row shows "-")
+            return 0.0, None, counters
         # report per n - 1 tokens like the other rows
-        return seconds * (n - 1) / max(tokens, 1), None, counters
+        return seconds * (n - 1) / tokens, None, counters
 
 
 def build_peers(specs: list[str], target, draft, draft_max: str) -> list:

@@ -39,12 +39,12 @@ def plot_bench(report: dict, path: str | Path) -> None:
     fig, (ax, ax2) = _figure(13, 5.2, 2)
     width = 0.8 / max(1, len(modes))
     colors = [f"C{i % 10}" for i in range(len(modes))]
-    top = max((r["tok_s"] for r in rows), default=1.0)
+    top = max((r["tok_s"] for r in rows if r["tok_s"] is not None), default=1.0)
     for j, mode in enumerate(modes):
         xs, ys, labels = [], [], []
         for i, cat in enumerate(categories):
             r = by.get((cat, mode))
-            if r is None:
+            if r is None or r["tok_s"] is None:  # a peer that produced nothing
                 continue
             xs.append(i - 0.4 + width * (j + 0.5))
             ys.append(r["tok_s"])

@@ -41,8 +41,11 @@ class Cell:
     results: list[Result] = field(default_factory=list)
 
     @property
-    def median_decode_s(self) -> float:
-        return statistics.median(r.stats.decode_s for r in self.results)
+    def median(self) -> Result:
+        """The repeat with the median decode time (the lower middle one for an even count): its time, counts and
+        time shares are reported together, so they describe the same run."""
+        ordered = sorted(self.results, key=lambda r: r.stats.decode_s)
+        return ordered[(len(ordered) - 1) // 2]
 
 
 def peak_rss_mb() -> float:
@@ -111,8 +114,9 @@ def cmd_bench(args) -> int:
 
     draft = load_model(args, "model_draft") if args.model_draft and args.peer else None
     peers = build_peers(args.peer, target, draft, args.draft_max)
+    peaks = machine_peaks(target.model)
     report = run_bench(target, modes, peers, prompts, args.n_predict, args.repeats, chat=not args.no_chat,
-                       ignore_eos=args.ignore_eos)
+                       ignore_eos=args.ignore_eos, peaks=peaks)
     report["settings"] = {"model": str(target.path), "file_type": target.file_type, "quant": target.model.quant,
                           "dtype": str(target.model.dtype).removeprefix("torch."), "n_predict": args.n_predict,
                           "repeats": args.repeats, "prompts": args.prompts or "builtin", "category": args.category,
@@ -176,8 +180,17 @@ def build_modes(names: list[str], target, args) -> list[Mode]:
     return modes
 
 
+def machine_peaks(model) -> dict:
+    """This run's yardsticks, measured once before the runs: STREAM read bandwidth (512 MB arrays) and the FLOP/s
+    of a large matmul in the model's activation dtype (bench/roofline.py)."""
+    from .roofline import measure_bandwidth, measure_matmul
+
+    bw = measure_bandwidth(model.device, kinds=("read",), repeats=5)
+    return {"read_gb_s": bw["read"], "matmul_flop_s": measure_matmul(model.dtype, model.device)}
+
+
 def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: int, repeats: int,
-              chat: bool = True, ignore_eos: bool = False) -> dict:
+              chat: bool = True, ignore_eos: bool = False, peaks: dict | None = None) -> dict:
     """Every mode (and peer) on every prompt, `repeats` times, interleaved. Generation stops at end-of-sequence as
     in Spec-Bench (tok/s = generated tokens / decode time, summed over a category's prompts), unless ignore_eos:
     then every run generates n tokens, past the answer's end."""
@@ -225,40 +238,49 @@ def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: 
                 if peer_tokens[(pe.name, i)] is not None]
         if same:
             peer_agreement[pe.name] = sum(same) / len(same)
+    from .roofline import matmul_params
+
     categories = sorted({p.category for p in prompts})
     rows = []
+    flops_per_row = 2 * matmul_params(model.args)  # a forward's matmul FLOPs per token row
     for cat in categories + ["all"]:
         idx = [i for i, p in enumerate(prompts) if cat in ("all", p.category)]
-        base = None
+        cat_rows = []
         for m in modes:
             st = Stats()
-            time_s = 0.0
             for i in idx:
-                cell = cells[(m.name, i)]
-                st.merge(cell.results[0].stats)
-                time_s += cell.median_decode_s
-            toks = sum(cells[(m.name, i)].results[0].stats.generated_tokens - 1 for i in idx)
-            tok_s = toks / time_s
-            base = base or tok_s
-            fwd_s = st.forwards / st.decode_s if st.decode_s else 0.0
-            gbs = (model.weight_bytes * fwd_s + m.draft_bytes * (st.drafted / st.decode_s if st.decode_s else 0)) / 1e9
-            rows.append({"category": cat, "mode": m.name, "models": m.models, "tok_s": tok_s, "speedup": tok_s / base,
-                         "mean_accepted": st.mean_accepted_length, "acceptance": st.acceptance_rate,
-                         "acceptance_per_position": st.acceptance_per_position, "gb_s": gbs,
-                         "draft_share": st.draft_s / st.decode_s if st.decode_s else 0.0,
-                         "verify_share": st.verify_s / st.decode_s if st.decode_s else 0.0, "tokens": toks,
-                         "decode_s": time_s})
+                st.merge(cells[(m.name, i)].median.stats)
+            time_s, toks = st.decode_s, st.generated_tokens - len(idx)
+            tok_s = toks / time_s if time_s > 0 else None
+            per_s = lambda x, t=time_s: x / t if t > 0 else 0.0  # noqa: E731
+            gbs = (model.weight_bytes * per_s(st.forwards) + m.draft_bytes * per_s(st.drafted)) / 1e9
+            flops = flops_per_row * per_s(st.forwards + st.drafted)  # every verified row: pending token + drafts
+            cat_rows.append({"category": cat, "mode": m.name, "models": m.models, "tok_s": tok_s,
+                             "mean_accepted": st.mean_accepted_length, "acceptance": st.acceptance_rate,
+                             "acceptance_per_position": st.acceptance_per_position, "gb_s": gbs,
+                             "bus": gbs / peaks["read_gb_s"] if peaks else None,
+                             "compute": flops / peaks["matmul_flop_s"] if peaks else None,
+                             "draft_share": per_s(st.draft_s), "verify_share": per_s(st.verify_s), "tokens": toks,
+                             "decode_s": time_s})
         for pe in peers:
-            time_s = sum(statistics.median(peer_times[(pe.name, i)]) for i in idx)
+            times = [statistics.median(peer_times[(pe.name, i)]) for i in idx]
+            time_s = sum(times) if min(times) > 0 else 0.0  # a prompt it decoded nothing of: no speed for the row
             toks = (n - 1) * len(idx)
             drafted = sum(peer_counts[(pe.name, i)].get("n_drafted", 0) for i in idx)
             accepted = sum(peer_counts[(pe.name, i)].get("n_accept", 0) for i in idx)
-            rows.append({"category": cat, "mode": pe.name, "models": pe.models, "tok_s": toks / time_s,
-                         "speedup": toks / time_s / base, "mean_accepted": None,
-                         "acceptance": accepted / drafted if drafted else None, "acceptance_per_position": [],
-                         "gb_s": None, "tokens": toks, "decode_s": time_s, "peer": True})
-    return {"machine": machine_info(), "rows": rows, "mismatches": mismatches, "peer_greedy_agreement": peer_agreement,
-            "peak_rss_mb": peak_rss_mb(), "target_weight_bytes": model.weight_bytes,
+            cat_rows.append({"category": cat, "mode": pe.name, "models": pe.models,
+                             "tok_s": toks / time_s if time_s > 0 else None, "mean_accepted": None,
+                             "acceptance": accepted / drafted if drafted else None, "acceptance_per_position": [],
+                             "gb_s": None, "bus": None, "compute": None, "tokens": toks, "decode_s": time_s,
+                             "peer": True})
+        # every speedup is against specdec's plain decoding in this run, whatever order the modes were given in
+        base = next(r["tok_s"] for r in cat_rows if r["mode"] == "plain")
+        for r in cat_rows:
+            r["speedup"] = r["tok_s"] / base if r["tok_s"] and base else None
+        rows += cat_rows
+    return {"machine": machine_info(), "peaks": peaks, "rows": rows, "mismatches": mismatches,
+            "peer_greedy_agreement": peer_agreement, "peak_rss_mb": peak_rss_mb(),
+            "target_weight_bytes": model.weight_bytes,
             "prompts": [{"id": p.id, "category": p.category} for p in prompts]}
 
 
@@ -271,14 +293,18 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 def print_report(report: dict) -> None:
     rows = report["rows"]
-    print("| category | mode | models | tok/s | speedup | mean accepted | acceptance | GB/s achieved |")
-    print("|---|---|---|---|---|---|---|---|")
+    peaks = report.get("peaks")
+    if peaks:
+        print(f"yardsticks (this run): STREAM read {peaks['read_gb_s']:.1f} GB/s, matmul "
+              f"{peaks['matmul_flop_s'] / 1e9:.0f} GFLOP/s\n")
+    print("| category | mode | models | tok/s | speedup | mean accepted | acceptance | GB/s achieved | memory bus | "
+          "compute |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
-        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
-        mean = "-" if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f}"
-        gbs = "-" if r["gb_s"] is None else f"{r['gb_s']:.1f}"
-        print(f"| {r['category']} | {r['mode']} | {r['models']} | {r['tok_s']:.1f} | {r['speedup']:.2f} | "
-              f"{mean} | {acc} | {gbs} |")
+        print(f"| {r['category']} | {r['mode']} | {r['models']} | {fmt(r['tok_s'], '.1f')} | "
+              f"{fmt(r['speedup'], '.2f')} | {fmt(r['mean_accepted'], '.2f')} | {fmt(r['acceptance'], '.1%')} | "
+              f"{fmt(r['gb_s'], '.1f')} | {fmt(r.get('bus'), '.0%')} | {fmt(r.get('compute'), '.1%')} |")
     for name, agree in report["peer_greedy_agreement"].items():
         print(f"\n{name}: greedy output identical to specdec plain on {agree:.0%} of prompts (it runs other weights "
               f"and kernels, e.g. dequantized fp32: near-ties can resolve differently)")
@@ -291,5 +317,6 @@ def print_report(report: dict) -> None:
     else:
         print("\ngreedy outputs of every mode are identical to plain decoding")
     allrows = {r["mode"]: r for r in rows if r["category"] == "all"}
-    summary = ", ".join(f"{m} {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x)" for m, r in allrows.items())
+    summary = ", ".join(f"{m} {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x)" for m, r in allrows.items()
+                        if r["tok_s"] is not None)
     print(f"summary: {summary}; peak RSS {report['peak_rss_mb']:.0f} MB", file=sys.stderr)
