@@ -106,12 +106,13 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
     stream = TextStream(tokenizer, stop, on_text)
     eog = set() if ignore_eos else tokenizer.eog_ids
     draft_length = draft_length or FixedDraftLength(0)
+    context = lambda: list(prompt) + out if params.penalized else ()  # noqa: E731  (penalties read the context)
     # full-information feedback for draft-length policies that learn (spec/autok.py) from costless proposers
     watch = getattr(proposer, "costless", False) and isinstance(draft_length, AutoDraftLength)
     with torch.inference_mode():
         t0 = time.perf_counter()
         logits, prompt_hidden = prefill(model, prompt, cache)
-        token = next_token(logits, params, gen)
+        token = next_token(logits, params, gen, list(prompt), len(prompt))
         stats.prefill_s = time.perf_counter() - t0
         out = [token]
         finish = _finish(token, out, eog, max_tokens)
@@ -149,7 +150,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
             if draft.parents is None:  # a chain
                 logits, hidden = model(ids, torch.arange(n, n + 1 + len(draft), device=model.device), cache,
                                        exact=True)
-                n_acc, token = verify_chain(logits[0], draft, params, gen)
+                n_acc, token = verify_chain(logits[0], draft, params, gen, context(), len(prompt))
                 path = list(range(n_acc))
                 cache.rollback(n + 1 + n_acc)
                 depth = len(draft)
@@ -157,7 +158,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: Sequence[int], pa
                 d = depths(draft.parents)
                 pos = torch.tensor([n] + [n + x for x in d], device=model.device)
                 logits, hidden = model(ids, pos, cache, parents=draft.parents, exact=True)
-                path, token = verify_tree(logits[0], draft, params, gen)
+                path, token = verify_tree(logits[0], draft, params, gen, context(), len(prompt))
                 n_acc = len(path)
                 cache.keep(n, [n] + [n + 1 + i for i in path])
                 depth = max(d)

@@ -1,15 +1,28 @@
 """Sampling as pure functions on logits, with an explicit torch.Generator.
 
-The processed distribution p (temperature, then top-k, top-p, min-p, in Hugging Face's warper order) is what plain
-sampling draws from and what the speculative verifier compares drafts against, so speculative sampling is plain
-sampling in distribution. Greedy decoding (temperature 0) is argmax and never builds p.
+The processed distribution p (penalties and logit bias, then temperature, top-k, top-p, min-p, in Hugging Face's
+warper order) is what plain sampling draws from and what the speculative verifier compares drafts against, so
+speculative sampling is plain sampling in distribution. Greedy decoding (temperature 0) is argmax and never builds p.
+
+Fast path (`process`): p is computed only on the tokens that can survive the truncations. With top-k, `torch.topk`
+first and everything else on the k survivors: exactly HF's distribution, since tokens outside the top k get
+probability 0 anyway (a tie at the k-th value, where HF keeps every tied token, falls back to the full computation).
+Without top-k, top-p and min-p take a partial selection: the top m tokens (m = 64, doubled while needed) hold every
+survivor once their mass reaches top_p (top-p) and their smallest probability is below min_p x the largest (min-p),
+with the normalizer taken over the whole vocabulary. The result is a `Dist`: candidate ids and their probabilities
+per row, sampled with the exponential race (gpt-fast's multinomial_sample_one_no_sync) over the candidates only.
+`probs_from_logits` is the dense reference, kept for tests and for draft distributions q.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+PARTIAL_START = 64  # candidates first tried by the partial selection (top-p / min-p without top-k)
 
 
 @dataclass(frozen=True)
@@ -19,13 +32,26 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     seed: int | None = None
+    # penalties (each off by default): repetition as in CTRL / HF (logit / r if > 0 else logit * r) over the last
+    # repeat_last_n tokens of the context (llama.cpp's window; -1 = all of it); presence and frequency as OpenAI
+    # and vLLM define them, over the generated tokens (logit -= presence [count > 0] + frequency * count)
+    repetition_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's logit_bias
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
+
     def validate(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0 or math.isinf(self.temperature):
             raise ValueError("--temp must be >= 0 (0 = greedy)")
         if self.top_k < 0:
             raise ValueError("--top-k must be >= 0 (0 = off)")
@@ -33,6 +59,16 @@ class SamplingParams:
             raise ValueError("--top-p must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError("--min-p must be in [0, 1]")
+        if not self.repetition_penalty > 0 or math.isinf(self.repetition_penalty):
+            raise ValueError("--repeat-penalty must be > 0 (1 = off)")
+        if self.repeat_last_n < -1:
+            raise ValueError("--repeat-last-n must be >= -1 (-1 = the whole context, 0 = off)")
+        for name, v in (("presence", self.presence_penalty), ("frequency", self.frequency_penalty)):
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"--{name}-penalty must be in [-2, 2]")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not math.isfinite(bias) and bias != -math.inf:
+                raise ValueError(f"logit bias {tok}:{bias}: give a token id >= 0 and a finite bias (or -inf)")
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -44,18 +80,44 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
-def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> processed probabilities p [..., V] (float32, rows sum to 1).
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: Sequence[Sequence[int]],
+                    n_prompt: int = 0) -> torch.Tensor:
+    """Penalized logits [R, V] (a copy): row r after the context history[r], whose first n_prompt tokens are the
+    prompt (presence and frequency count only the tokens after it)."""
+    out = logits.clone()
+    V = out.shape[-1]
+    for r, ctx in enumerate(history):
+        row = out[r]
+        if params.repetition_penalty != 1.0 and params.repeat_last_n != 0:
+            window = ctx if params.repeat_last_n < 0 else ctx[-params.repeat_last_n:]
+            if window:
+                ids = torch.tensor(sorted(set(window)), dtype=torch.long)
+                ids = ids[ids < V]
+                x = row[ids]
+                row[ids] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+        if (params.presence_penalty or params.frequency_penalty) and len(ctx) > n_prompt:
+            counts = torch.bincount(torch.tensor(list(ctx[n_prompt:]), dtype=torch.long), minlength=V)[:V].float()
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias if t < V], dtype=torch.long)
+        bias = torch.tensor([b for t, b in params.logit_bias if t < V], dtype=out.dtype)
+        out[:, ids] += bias
+    return out
 
-    temperature -> top-k (keep the k largest) -> top-p (keep the smallest prefix of the sorted distribution whose
-    mass reaches top_p, always at least one token) -> min-p (drop tokens below min_p x the top probability)."""
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> processed probabilities p [..., V] (float32, rows sum to 1): the dense reference.
+
+    temperature -> top-k (keep the k largest, ties at the k-th value included) -> top-p (keep the smallest prefix
+    of the sorted distribution whose mass reaches top_p, always at least one token) -> min-p (drop tokens below
+    min_p x the top probability). Penalties are applied before (apply_penalties)."""
     logits = logits.float() / max(params.temperature, 1e-5)
     V = logits.shape[-1]
     if 0 < params.top_k < V:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False, stable=True)
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop_sorted = cum <= (1.0 - params.top_p)
         drop_sorted[..., -1:] = False
@@ -67,6 +129,119 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return logits.softmax(dim=-1)
 
 
+class Dist:
+    """Processed distributions of R rows on their candidates: ids [R, m] (token ids, or None: all V tokens in
+    order) and probs [R, m] (float32, rows sum to 1; 0 for candidates the truncations removed)."""
+
+    def __init__(self, ids: torch.Tensor | None, probs: torch.Tensor, vocab: int):
+        self.ids, self.probs, self.vocab = ids, probs, vocab
+
+    def __len__(self) -> int:
+        return self.probs.shape[0]
+
+    def prob_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """p_r(tokens[r]) for rows r = 0 .. len(tokens) - 1 -> [len(tokens)]."""
+        n = tokens.shape[0]
+        if self.ids is None:
+            return self.probs[:n].gather(1, tokens[:, None]).squeeze(1)
+        hit = self.ids[:n] == tokens[:, None]
+        return (self.probs[:n] * hit).sum(1)
+
+    def dense(self, row: int) -> torch.Tensor:
+        """Row `row` over the whole vocabulary [V]."""
+        if self.ids is None:
+            return self.probs[row]
+        out = torch.zeros(self.vocab, dtype=self.probs.dtype, device=self.probs.device)
+        return out.index_put_((self.ids[row],), self.probs[row], accumulate=True)
+
+    def row(self, r: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        return (None if self.ids is None else self.ids[r]), self.probs[r]
+
+    def sample(self, generator: torch.Generator, row: int | None = None) -> torch.Tensor:
+        """One token per row (or for one row), drawn from p: the exponential race over the candidates."""
+        probs = self.probs if row is None else self.probs[row:row + 1]
+        pick = sample(probs, generator)  # [R] index into the candidates
+        if self.ids is None:
+            out = pick
+        else:
+            ids = self.ids if row is None else self.ids[row:row + 1]
+            out = ids.gather(1, pick[:, None]).squeeze(1)
+        return out if row is None else out[0]
+
+
+def _truncate_sorted(v: torch.Tensor, lse: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
+    """Candidates' scaled logits v [R, m], sorted descending per row -> their processed probabilities [R, m].
+
+    lse: the full vocabulary's logsumexp of the scaled logits [R, 1] when the candidates are a partial selection
+    without top-k (so top-p measures mass against the whole vocabulary); None when they are the top-k survivors
+    (top-p then renormalizes over them, as HF's TopPLogitsWarper after TopKLogitsWarper does)."""
+    keep = torch.ones_like(v, dtype=torch.bool)
+    if params.top_p < 1.0:
+        p = (v - lse).exp() if lse is not None else v.softmax(dim=-1)
+        above = p.cumsum(dim=-1) - p  # mass of the higher-ranked candidates
+        # HF drops a token when the ascending cumulative mass up to it, 1 - above, is <= 1 - top_p; the top one stays
+        keep &= (1.0 - above) > (1.0 - params.top_p)
+        keep[:, 0] = True
+    if params.min_p > 0.0:
+        logits = v.masked_fill(~keep, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        keep &= probs >= params.min_p * probs[:, :1]
+    return v.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+
+
+def process(logits: torch.Tensor, params: SamplingParams, history: Sequence[Sequence[int]] | None = None,
+            n_prompt: int = 0) -> Dist:
+    """logits [R, V] -> the processed distribution p of each row, on as few candidates as the settings allow.
+
+    history[r]: the context before row r (prompt then generated tokens, the first n_prompt being the prompt), for
+    the penalties; None when they are off. Same distribution as probs_from_logits (to float rounding)."""
+    logits = logits.float()
+    if logits.dim() == 1:
+        logits = logits[None]
+    R, V = logits.shape
+    if params.penalized:
+        logits = apply_penalties(logits, params, history or [[]] * R, n_prompt)
+    t = max(params.temperature, 1e-5)
+    if 0 < params.top_k < V:
+        k = params.top_k
+        vals, ids = torch.topk(logits, k + 1, dim=-1)  # one more, to see a tie at the k-th value
+        scaled = vals / t
+        if bool((scaled[:, k] == scaled[:, k - 1]).any()):  # HF keeps every tied token: the full computation
+            return Dist(None, probs_from_logits(logits, params), V)
+        v, i = _ranked(scaled[:, :k], ids[:, :k])
+        return Dist(i, _truncate_sorted(v, None, params), V)
+    scaled = logits / t
+    if params.top_p >= 1.0 and params.min_p <= 0.0:
+        return Dist(None, scaled.softmax(dim=-1), V)
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    m = PARTIAL_START
+    while m < V:
+        vals, ids = _ranked(*torch.topk(scaled, m, dim=-1))
+        # the survivors of top-p and of min-p are both top prefixes of the ranking: the top m hold all of them once
+        # either prefix ends inside it (top-p: their mass reaches top_p; min-p: the m-th is below min_p x the top)
+        enough = torch.zeros(R, dtype=torch.bool)
+        if params.top_p < 1.0:
+            enough |= (vals - lse).exp().sum(dim=-1) >= params.top_p
+        if params.min_p > 0.0:
+            enough |= (vals[:, -1] - vals[:, 0]) < math.log(params.min_p)
+        # a tie between the m-th candidate and a token left out would make the cut depend on topk's choice
+        last = vals[:, -1:]
+        tied_out = (scaled == last).sum(dim=-1) > (vals == last).sum(dim=-1)
+        if bool(enough.all()) and not bool(tied_out.any()):
+            return Dist(ids, _truncate_sorted(vals, lse, params), V)
+        m *= 4
+    return Dist(None, probs_from_logits(logits, params), V)
+
+
+def _ranked(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates [R, m] in the ranking the dense reference uses: value descending, equal values by id descending
+    (the reverse of a stable ascending sort), so a top-p cut through tied values removes the same tokens."""
+    by_id = ids.argsort(dim=-1, descending=True, stable=True)
+    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+    order = vals.argsort(dim=-1, descending=True, stable=True)
+    return vals.gather(1, order), ids.gather(1, order)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Draw one token per row from probs [..., V] -> [...] (long).
 
@@ -76,8 +251,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.argmax(probs / e, dim=-1)
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+               history: Sequence[int] | None = None, n_prompt: int = 0) -> int:
     """The next token from the last position's logits [V]: argmax when greedy, else a draw from p."""
-    if params.greedy:
+    if params.greedy and not params.penalized:
         return int(torch.argmax(logits, dim=-1))
-    return int(sample(probs_from_logits(logits, params), generator))
+    if params.greedy:
+        return int(torch.argmax(apply_penalties(logits.float()[None], params, [history or []], n_prompt)[0]))
+    return int(process(logits, params, [history or []], n_prompt).sample(generator)[0])

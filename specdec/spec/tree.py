@@ -71,26 +71,37 @@ def verify_tree_greedy(logits: torch.Tensor, tokens: list[int], parents: list[in
         node = nxt
 
 
-def verify_tree_stochastic(p: torch.Tensor, tokens: list[int], parents: list[int],
+def verify_tree_stochastic(p, tokens: list[int], parents: list[int],
                            generator: torch.Generator) -> tuple[list[int], int]:
-    """p [N+1, V] processed target distributions (row 0 = root) -> (accepted path, next token).
+    """p: the processed target distributions of the rows (sampling.Dist, or dense [N+1, V]; row 0 = root) ->
+    (accepted path, next token).
 
     For deterministic trees (siblings are distinct point masses): recursive rejection sampling, see module doc."""
+    from ..sampling import Dist
+
+    if isinstance(p, torch.Tensor):
+        p = Dist(None, p, p.shape[-1])
     kids = children(parents)
     node, accepted = -1, []
     while True:
-        r = p[node + 1].clone()
+        ids, probs = p.row(node + 1)
+        r = probs.clone()
         moved = False
         for c in kids.get(node, []):
             x = tokens[c]
-            if torch.rand((), generator=generator, device=r.device) < r[x]:
+            rx = r[x] if ids is None else (r * (ids == x)).sum()
+            if torch.rand((), generator=generator, device=r.device) < rx:
                 accepted.append(c)
                 node, moved = c, True
                 break
-            r[x] = 0.0
+            if ids is None:
+                r[x] = 0.0
+            else:
+                r = r * (ids != x)
             total = r.sum()
             if total <= 0:  # the children covered all of p's mass, and all were rejected: impossible in exact math
                 break
             r /= total
         if not moved:
-            return accepted, int(sample(r, generator))
+            pick = int(sample(r, generator))
+            return accepted, pick if ids is None else int(ids[pick])

@@ -6,9 +6,11 @@ Letters follow the papers: p = target distribution, q = draft distribution, x = 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from ..sampling import SamplingParams, probs_from_logits, sample
+from ..sampling import Dist, SamplingParams, apply_penalties, process, sample
 from .base import Draft
 
 
@@ -24,53 +26,81 @@ def verify_greedy(logits: torch.Tensor, draft: Draft) -> tuple[int, int]:
     return n, target[n]
 
 
-def verify_stochastic(p: torch.Tensor, draft: Draft, generator: torch.Generator) -> tuple[int, int]:
+def verify_stochastic(p: Dist | torch.Tensor, draft: Draft, generator: torch.Generator) -> tuple[int, int]:
     """Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
     Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling").
 
-    p [k+1, V]: the target's processed distributions at the k+1 positions; draft.q [k, V] or None (point masses).
-    Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw the recovered token from
-    norm(max(0, p_i - q_i)); when all k are accepted draw the bonus token from p_k. The output is then distributed
-    exactly as p. With q = None, q_i is the point mass on x_i: accept with probability p_i(x_i), and on rejection
-    draw from p_i with x_i removed."""
+    p: the target's processed distributions at the k+1 positions (a Dist, or dense [k+1, V]); draft.q [k, V] or
+    None (point masses). Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw the
+    recovered token from norm(max(0, p_i - q_i)); when all k are accepted draw the bonus token from p_k. The output
+    is then distributed exactly as p. With q = None, q_i is the point mass on x_i: accept with probability
+    p_i(x_i), and on rejection draw from p_i with x_i removed. Only the drafted tokens' probabilities are looked
+    up row by row; a residual is built only at the first rejected row."""
+    if isinstance(p, torch.Tensor):
+        p = Dist(None, p, p.shape[-1])
     k = len(draft.tokens)
     if k == 0:
-        return 0, int(sample(p[0], generator))
-    x = torch.tensor(draft.tokens, device=p.device)
-    px = p[:k].gather(1, x[:, None]).squeeze(1)  # [k] p_i(x_i)
+        return 0, int(p.sample(generator, 0))
+    x = torch.tensor(draft.tokens, device=p.probs.device)
+    px = p.prob_of(x)  # [k] p_i(x_i)
     qx = draft.q[:k].gather(1, x[:, None]).squeeze(1) if draft.q is not None else torch.ones_like(px)  # [k]
-    u = torch.rand(k, generator=generator, device=p.device)
+    u = torch.rand(k, generator=generator, device=p.probs.device)
     # accept iff u < p/q, written without division (q(x) = 0 cannot happen for a token drawn from q)
     rejected = (u * qx >= px).tolist()
     for i in range(k):
         if rejected[i]:
             if draft.q is not None:
-                residual = (p[i] - draft.q[i]).clamp_(min=0.0)
-            else:
-                residual = p[i].clone()
-                residual[draft.tokens[i]] = 0.0
+                dense = p.dense(i)
+                residual = (dense - draft.q[i]).clamp_(min=0.0)
+                ids = None
+            else:  # p_i without x_i, on p's own candidates
+                ids, probs = p.row(i)
+                residual = probs * (ids != draft.tokens[i]) if ids is not None else probs.clone()
+                if ids is None:
+                    residual[draft.tokens[i]] = 0.0
+                dense = probs
             total = residual.sum()
             # p == q (up to rounding) leaves no residual mass; then rejection had probability ~0 and p is the answer
-            dist = residual / total if total > 0 else p[i]
-            return i, int(sample(dist, generator))
-    return k, int(sample(p[k], generator))
+            dist = residual / total if total > 0 else dense
+            pick = int(sample(dist, generator))
+            return i, int(ids[pick]) if ids is not None else pick
+    return k, int(p.sample(generator, k))
 
 
-def verify_chain(logits: torch.Tensor, draft: Draft, params: SamplingParams,
-                 generator: torch.Generator | None) -> tuple[int, int]:
-    """logits [k+1, V] for [last accepted token, x_1 .. x_k] -> (n_accepted, next_token), greedy or stochastic."""
+def target_dist(logits: torch.Tensor, params: SamplingParams, history: Sequence[Sequence[int]] | None = None,
+                n_prompt: int = 0) -> Dist:
+    """The processed target distribution of every verified row; history[r]: row r's context (for penalties)."""
+    return process(logits, params, history if params.penalized else None, n_prompt)
+
+
+def verify_chain(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator | None,
+                 context: Sequence[int] = (), n_prompt: int = 0) -> tuple[int, int]:
+    """logits [k+1, V] for [last accepted token, x_1 .. x_k] -> (n_accepted, next_token), greedy or stochastic.
+
+    context: every token before row 0's prediction (prompt, then the generated tokens incl. the pending one), for
+    penalties: row i sees it followed by x_1 .. x_i, as plain decoding would after accepting them."""
+    history = [list(context) + draft.tokens[:i] for i in range(len(draft) + 1)] if params.penalized else None
     if params.greedy:
+        if params.penalized:
+            logits = apply_penalties(logits.float(), params, history, n_prompt)
         return verify_greedy(logits, draft)
-    return verify_stochastic(probs_from_logits(logits, params), draft, generator)
+    return verify_stochastic(target_dist(logits, params, history, n_prompt), draft, generator)
 
 
-def verify_tree(logits: torch.Tensor, draft: Draft, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[list[int], int]:
+def verify_tree(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator | None,
+                context: Sequence[int] = (), n_prompt: int = 0) -> tuple[list[int], int]:
     """logits [N+1, V] for [root, nodes...] of a tree draft -> (accepted node indices along one path, next token)."""
-    from .tree import verify_tree_greedy, verify_tree_stochastic
+    from .tree import paths, verify_tree_greedy, verify_tree_stochastic
 
+    history = None
+    if params.penalized:  # each node's row follows its own root-to-node path
+        history = [list(context)] + [list(context) + [draft.tokens[r - 1] for r in path[1:]]
+                                     for path in paths(draft.parents)]
     if params.greedy:
+        if params.penalized:
+            logits = apply_penalties(logits.float(), params, history, n_prompt)
         return verify_tree_greedy(logits, draft.tokens, draft.parents)
     if draft.q is not None:
         raise ValueError("stochastic verification of sampled trees is not supported: draft deterministic trees")
-    return verify_tree_stochastic(probs_from_logits(logits, params), draft.tokens, draft.parents, generator)
+    return verify_tree_stochastic(target_dist(logits, params, history, n_prompt), draft.tokens, draft.parents,
+                                  generator)
