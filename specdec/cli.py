@@ -36,6 +36,17 @@ def _sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling, 1 = off (default 0.95)")
     p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling, 0 = off (default 0.05)")
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default -1)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize repeating the last --repeat-last-n "
+                                                                     "tokens, 1 = off (default 1.0)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the repeat penalty looks back, -1 = the "
+                                                                 "whole context (default 64)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty over the generated "
+                                                                       "tokens, 0 = off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty over the generated "
+                                                                        "tokens, 0 = off")
+    p.add_argument("-l", "--logit-bias", action="append", default=[], help="TOKEN_ID(+/-)BIAS added to a token's "
+                                                                          "logit, e.g. 15043+1 or 15043-inf "
+                                                                          "(repeatable)")
 
 
 def _speculative(p: argparse.ArgumentParser) -> None:
@@ -260,6 +271,26 @@ def format_spec_stats(s, kind: str) -> str:
             f"other {other:.2f} s")
 
 
+def sampling_params(args):
+    """SamplingParams from the sampling flags (validated)."""
+    import re
+
+    from .sampling import SamplingParams
+
+    bias = []
+    for item in args.logit_bias:
+        m = re.fullmatch(r"\s*(\d+)\s*([+-]\s*(?:inf|\d+(?:\.\d*)?|\.\d+))\s*", item)
+        if not m:
+            raise ValueError(f"--logit-bias takes TOKEN_ID(+/-)BIAS like 15043+1 or 15043-inf, not '{item}'")
+        bias.append((int(m[1]), float(m[2].replace(" ", ""))))
+    p = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                       seed=None if args.seed < 0 else args.seed, repetition_penalty=args.repeat_penalty,
+                       repeat_last_n=args.repeat_last_n, presence_penalty=args.presence_penalty,
+                       frequency_penalty=args.frequency_penalty, logit_bias=tuple(bias))
+    p.validate()
+    return p
+
+
 def read_prompt(args) -> str:
     if args.file:
         with open(args.file, encoding="utf-8") as f:
@@ -280,11 +311,9 @@ def cmd_generate(args) -> int:
     import json
 
     from .generate import generate
-    from .sampling import SamplingParams
 
     text = read_prompt(args)
-    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=None if args.seed < 0 else args.seed)
+    params = sampling_params(args)
     params.validate()
     if args.n_predict <= 0:
         raise ValueError("-n must be > 0")

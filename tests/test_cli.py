@@ -85,6 +85,9 @@ def test_prompt_longer_than_context():
     (["generate", "-p", "hi", "--quant", "int3"], ["--quant"]),
     (["generate", "-p", "hi", "--dtype", "f8"], ["--dtype"]),
     (["generate"], ["prompt"]),
+    (["generate", "-p", "hi", "--repeat-penalty", "0"], ["--repeat-penalty"]),
+    (["generate", "-p", "hi", "--presence-penalty", "3"], ["--presence-penalty"]),
+    (["generate", "-p", "hi", "-l", "12+x"], ["--logit-bias"]),
 ])
 def test_bad_flags_in_process(capsys, argv, words):
     assert main(argv) == 1

@@ -226,3 +226,31 @@ def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor
     if rc != 0:
         raise MemoryError("the matmul kernel ran out of memory") if rc == -1 else ValueError(f"matmul shape {n}x{k}")
     return y if y.dtype == dtype else y.to(dtype)
+
+
+@functools.cache
+def topk_lib() -> ctypes.CDLL | None:
+    """The compiled top-n selection (topk.c), or None: sampling then uses torch.topk."""
+    dll = _build("topk", "torch.topk, which makes sampling with top-k slower")
+    if dll is None:
+        return None
+    ptr = ctypes.c_void_p
+    dll.specdec_topk.restype = ctypes.c_int
+    dll.specdec_topk.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int, ptr, ptr]
+    return dll
+
+
+def topk(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest values of each row of x [R, V] and their indices, sorted descending (like torch.topk; equal
+    values in no particular order), in one pass of topk.c on CPU float32 (~25x faster than torch.topk for a
+    49152-wide row here), else torch.topk."""
+    lib = topk_lib() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
+    if lib is None or not 1 <= n <= x.shape[1]:
+        return torch.topk(x, n, dim=-1)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    vals = torch.empty(x.shape[0], n)
+    ids = torch.empty(x.shape[0], n, dtype=torch.long)
+    if lib.specdec_topk(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), n, vals.data_ptr(), ids.data_ptr()):
+        raise MemoryError("the top-k kernel ran out of memory")
+    return vals, ids

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import sample
+from ..sampling import argmax, sample
 
 
 def depths(parents: list[int]) -> list[int]:
@@ -59,7 +59,7 @@ def children(parents: list[int]) -> dict[int, list[int]]:
 
 def verify_tree_greedy(logits: torch.Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
     """logits [N+1, V] (row 0 = root) -> (accepted node indices along one path, next token)."""
-    target = torch.argmax(logits, dim=-1).tolist()
+    target = argmax(logits.float()).tolist()
     kids = children(parents)
     node, accepted = -1, []
     while True:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..sampling import Dist, SamplingParams, apply_penalties, process, sample
+from ..sampling import Dist, SamplingParams, apply_penalties, argmax, process, sample
 from .base import Draft
 
 
@@ -19,7 +19,7 @@ def verify_greedy(logits: torch.Tensor, draft: Draft) -> tuple[int, int]:
 
     Accept drafted tokens while each equals the target's argmax; the next token is the target's argmax after the
     last accepted one (the recovered token on a mismatch, the bonus token when all k are accepted)."""
-    target = torch.argmax(logits, dim=-1).tolist()  # [k+1]
+    target = argmax(logits.float()).tolist()  # [k+1]
     n = 0
     while n < len(draft.tokens) and draft.tokens[n] == target[n]:
         n += 1
