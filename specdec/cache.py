@@ -1,4 +1,4 @@
-"""Static KV cache indexed by slot.
+"""KV caches indexed by slot: a pool of sequence slots (KVPool) and one sequence's view of it (KVCache).
 
 Slots [0, length) hold the keys and values of the tokens seen so far; a forward over T tokens writes slots
 [length, length + T). Rolling back a rejected draft is moving `length` back (no copy). Tree verification writes every
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from dataclasses import dataclass
 
 import torch
 
@@ -36,21 +37,84 @@ class ContextFull(Exception):
     """The context window is full."""
 
 
-class KVCache:
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", batch: int = 1, transposed_keys: bool = False):
-        # keys and values side by side, so one copy writes both: kv[l, :, s, :Hkv] = K, kv[l, :, s, Hkv:] = V
-        # batch > 1 only for sequences that advance in lockstep (train-mtp samples one prompt several times)
-        self.kv = lazy_zeros((n_layers, batch, max_len, 2 * n_kv_heads, head_dim), dtype, device)
-        # per-layer views as attention reads them: [B, Hkv, S, D] (made once; slicing them per step is one op)
+@dataclass
+class LayerCache:
+    """One layer's view of a pool: kv [1, S, 2 Hkv, D] (keys then values per slot), k_all / v_all [1, Hkv, S, D] views
+    of it, kt [Hkv, S / 32, D, 32] the keys in the attention kernel's tiles (or None), base: the first slot of the
+    sequence the caller works on (SDPA paths; the kernel takes absolute slots)."""
+
+    kv: torch.Tensor
+    k_all: torch.Tensor
+    v_all: torch.Tensor
+    kt: torch.Tensor | None
+    base: int = 0
+
+
+class KVPool:
+    """KV storage for up to n_slots sequences of up to max_len tokens each (continuous batching).
+
+    Sequence slot j owns positions [j M, (j + 1) M) of one long slot space (M = max_len rounded up to the kernel's
+    tiles of 32), so one attention-kernel call serves rows of many sequences: each row attends its own absolute
+    slots. Memory is taken only as slots are written (lazy_zeros), so a pool of 16 x 4096 costs what its sequences
+    fill. Keys and values side by side, so one copy writes both: kv[l, 0, s, :Hkv] = K, kv[l, 0, s, Hkv:] = V."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, n_slots: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", transposed_keys: bool = False):
+        self.max_len = max_len
+        self.stride = -(-max_len // kernels.TILE) * kernels.TILE  # slots between sequences, whole tiles
+        S = self.stride * n_slots
+        self.kv = lazy_zeros((n_layers, 1, S, 2 * n_kv_heads, head_dim), dtype, device)
+        # per-layer views as attention reads them: [1, Hkv, S, D] (made once; slicing them per step is one op)
         self.k_all = [self.kv[i, :, :, :n_kv_heads].transpose(1, 2) for i in range(n_layers)]
         self.v_all = [self.kv[i, :, :, n_kv_heads:].transpose(1, 2) for i in range(n_layers)]
         # the keys again, in transposed tiles [layers, Hkv, tiles, D, 32], for the attention kernel
         # (specdec/kernels/attention.c computes 32 scores at a time from a tile)
-        self.kt = kernels.key_tiles(n_layers, n_kv_heads, head_dim, max_len, dtype) if transposed_keys else None
-        self.pos = torch.zeros(max_len, dtype=torch.long, device=device)  # [S] RoPE position of each slot
-        self.max_len = max_len
+        self.kt = kernels.key_tiles(n_layers, n_kv_heads, head_dim, S, dtype) if transposed_keys else None
+        self.pos = torch.zeros(S, dtype=torch.long, device=device)  # [S] RoPE position of each slot
+        self.n_slots = n_slots
+        self.free = list(range(n_slots))
+        self.layers = [LayerCache(self.kv[i], self.k_all[i], self.v_all[i],
+                                  self.kt[i] if self.kt is not None else None) for i in range(n_layers)]
+
+    def acquire(self, max_len: int | None = None) -> KVCache:
+        """A free slot's cache (lowest slot first, so the same sequence mix reuses the same memory)."""
+        if not self.free:
+            raise ContextFull(f"all {self.n_slots} cache slots are in use")
+        return KVCache(pool=self, slot=self.free.pop(0), max_len=max_len)
+
+    def release(self, cache: KVCache) -> None:
+        if cache.slot in self.free or cache.pool is not self:
+            raise ValueError("cache slot released twice or into another pool")
+        self.free.append(cache.slot)
+        self.free.sort()
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.kt.numel() * self.kt.element_size() if self.kt is not None else 0
+        return self.kv.numel() * self.kv.element_size() + extra
+
+
+class KVCache:
+    """One sequence's cache: slots [0, length) of its pool slot hold the keys and values of its tokens so far.
+
+    KVCache(n_layers, ...) makes a private one-slot pool; KVPool.acquire() hands out slots of a shared pool."""
+
+    def __init__(self, n_layers: int = 0, n_kv_heads: int = 0, head_dim: int = 0, max_len: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", transposed_keys: bool = False,
+                 *, pool: KVPool | None = None, slot: int = 0):
+        if pool is None:
+            pool = KVPool(n_layers, n_kv_heads, head_dim, max_len, 1, dtype, device, transposed_keys)
+            pool.free.remove(slot)
+        self.pool, self.slot = pool, slot
+        self.base = slot * pool.stride  # this sequence's first slot in the pool
+        self.max_len = min(max_len or pool.max_len, pool.max_len)
+        self.kv, self.kt = pool.kv, pool.kt  # the whole pool: [layers, 1, S, 2 Hkv, D], [layers, Hkv, tiles, D, 32]
+        self.pos = pool.pos[self.base:self.base + self.max_len]  # [max_len] RoPE position of each slot (a view)
         self.length = 0
+
+    def layer(self, i: int) -> LayerCache:
+        view = self.pool.layers[i]
+        return view if self.base == 0 else LayerCache(view.kv, view.k_all, view.v_all, view.kt, self.base)
 
     def reserve(self, t: int) -> int:
         """Start slot for `t` new tokens; raises ContextFull when they don't fit."""
@@ -64,17 +128,27 @@ class KVCache:
         self.length = length
 
     def keep(self, start: int, slots: list[int]) -> None:
-        """Keep only `slots` (absolute, ascending, each >= start) after `start`, moved to [start, start+len(slots))."""
+        """Keep only `slots` (ascending, each >= start) after `start`, moved to [start, start+len(slots))."""
         n = len(slots)
         if slots != list(range(start, start + n)):
-            idx = torch.tensor(slots, device=self.kv.device)
-            self.kv[:, :, start:start + n] = self.kv[:, :, idx]
+            b = self.base
+            idx = torch.tensor(slots, device=self.kv.device) + b
+            self.kv[:, :, b + start:b + start + n] = self.kv[:, :, idx]
             if self.kt is not None:
-                kernels.store_keys(self.kv, self.kt, start, start + n)
-            self.pos[start:start + n] = self.pos[idx]
+                kernels.store_keys(self.kv, self.kt, b + start, b + start + n)
+            self.pos[start:start + n] = self.pos[idx - b]
         self.length = start + n
+
+    def copy_from(self, other: KVCache, n: int) -> None:
+        """Take the first n slots of another cache of the same pool (a shared prompt, prefilled once)."""
+        assert other.pool is self.pool and n <= min(other.length, self.max_len)
+        a, b = other.base, self.base
+        self.kv[:, :, b:b + n] = self.kv[:, :, a:a + n]
+        if self.kt is not None:
+            kernels.store_keys(self.kv, self.kt, b, b + n)
+        self.pos[:n] = other.pos[:n]
+        self.length = n
 
     @property
     def nbytes(self) -> int:
-        extra = self.kt.numel() * self.kt.element_size() if self.kt is not None else 0
-        return self.kv.numel() * self.kv.element_size() + extra
+        return self.pool.nbytes // self.pool.n_slots

@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling(g)
     _speculative(g)
     g.add_argument("-p", "--prompt", default=None, help="prompt text")
-    g.add_argument("-f", "--file", default=None, help="read the prompt from a file")
+    g.add_argument("-f", "--file", default=None, help="read the prompt from a file; a .jsonl file holds several "
+                                                     "prompts ({\"prompt\": ...} or Spec-Bench rows), generated "
+                                                     "--batch at a time, one JSON line out per prompt")
+    g.add_argument("--batch", type=int, default=8, help="prompts decoded together with -f FILE.jsonl (default 8)")
     g.add_argument("-n", "--n-predict", type=int, default=256, help="tokens to generate (default 256)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("-sys", "--system", default=None, help="system message (with --chat)")
@@ -95,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
     b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate per prompt (default 128)")
     b.add_argument("--repeats", type=int, default=3, help="runs per prompt and mode; the median is reported")
+    b.add_argument("--batch", default=None, help="batched throughput instead: comma-separated batch sizes, e.g. "
+                                                 "1,2,4,8,16 (every prompt through the engine, that many at a "
+                                                 "time; aggregate and per-sequence tok/s)")
     b.add_argument("--peer", action="append", default=[], help="also run a peer engine in the same run: hf "
                                                                "(transformers), llama.cpp:DIR (a llama.cpp build)")
     b.add_argument("--json", default=None, help="write every number to this JSON file")
@@ -148,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        if args.threads:
+        if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
         if args.command == "generate":
             return cmd_generate(args)
@@ -177,42 +183,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def progress_bar(desc: str):
-    """A tqdm progress bar on stderr for loading; returns (callback(i, n), close())."""
-    from tqdm import tqdm
-
-    bar = None
-
-    def update(i: int, n: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=n, desc=desc, unit="layer", file=sys.stderr, leave=False,
-                       disable=not sys.stderr.isatty())
-        bar.n = i
-        bar.refresh()
-
-    def close() -> None:
-        if bar is not None:
-            bar.close()
-
-    return update, close
-
-
 def load_model(args, which: str = "model"):
-    from .loader import load
+    from .loader import load_args
 
-    update, close = progress_bar(f"loading {which.replace('_', ' ')}")
-    try:
-        return load(getattr(args, which), dtype=args.dtype, quant=args.quant, device=args.device,
-                    ctx=args.ctx_size, progress=update)
-    finally:
-        close()
+    return load_args(args, which)
 
 
-def spec_kind(args, target=None) -> tuple[str, object]:
-    """(--spec kind, resolved MTP drafter or None). Without --spec: draft with -md, else mtp when the model has MTP
-    modules or shipped heads, else none."""
-    from .spec import resolve_mtp
+def spec_config(args, target=None):
+    """(SpecConfig, resolved MTP drafter or None) from the speculation flags. Without --spec: draft with -md, else
+    mtp when the model has MTP modules or shipped heads, else none. --draft-max may list several values (bench):
+    the first one is used here."""
+    from .spec import SpecConfig, resolve_mtp
+    from .spec.config import draft_length, parse_tree
 
     mtp = None
     kind = args.spec
@@ -225,38 +207,14 @@ def spec_kind(args, target=None) -> tuple[str, object]:
         mtp = resolve_mtp(target, args.heads)
     if kind == "draft" and not args.model_draft:
         raise ValueError("--spec draft needs a draft model: give -md DRAFT")
-    if args.draft_min < 0:
-        raise ValueError("--draft-min must be >= 0")
-    for v in str(args.draft_max).split(","):
+    values = [v.strip() for v in str(args.draft_max).split(",") if v.strip()] or ["auto"]
+    for v in values:
         draft_length(v, 0)  # validates
-    return kind, mtp
-
-
-def parse_tree(value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        shape = [int(x) for x in value.split(",")]
-    except ValueError:
-        raise ValueError(f"--tree takes branching factors per depth like 3,2,1, not '{value}'") from None
-    if not shape or min(shape) < 1:
-        raise ValueError("--tree branching factors must be >= 1")
-    return shape
-
-
-def draft_length(value: str, draft_min: int):
-    """A draft-length policy from a --draft-max value: "auto" or a number of tokens."""
-    from .spec.autok import AutoDraftLength, FixedDraftLength
-
-    if value == "auto":
-        return AutoDraftLength(8, draft_min)
-    try:
-        k = int(value)
-    except ValueError:
-        raise ValueError(f"--draft-max must be auto or a number, not '{value}'") from None
-    if k < 0:
-        raise ValueError("--draft-max must be >= 0")
-    return FixedDraftLength(k, draft_min)
+    spec = SpecConfig(kind=kind, draft_max=values[0], draft_min=args.draft_min, draft_p_min=args.draft_p_min,
+                      ngram_min=args.ngram_min, ngram_max=args.ngram_max, tree=parse_tree(args.tree),
+                      heads=args.heads)
+    spec.validate()
+    return spec, mtp
 
 
 def format_spec_stats(s, kind: str) -> str:
@@ -312,19 +270,20 @@ def cmd_generate(args) -> int:
 
     from .generate import generate
 
-    text = read_prompt(args)
+    text = read_prompt(args) if not (args.file and args.file.endswith(".jsonl")) else ""
     params = sampling_params(args)
-    params.validate()
     if args.n_predict <= 0:
         raise ValueError("-n must be > 0")
-    spec_kind(args)  # flags are checked before the (slow) load
+    spec_config(args)  # flags are checked before the (slow) load
     target = load_model(args)
-    kind, mtp = spec_kind(args, target)
+    spec, mtp = spec_config(args, target)
+    kind = spec.kind
     draft = load_model(args, "model_draft") if kind == "draft" else None
     from .spec import build_proposer
 
-    proposer = build_proposer(kind, target, params, draft, args.draft_p_min, args.ngram_min, args.ngram_max, mtp,
-                              parse_tree(args.tree))
+    if args.file and args.file.endswith(".jsonl"):
+        return generate_batch(args, target, draft, spec, mtp, params)
+    proposer = build_proposer(spec, target, params, draft, mtp)
     ids = prompt_tokens(target.tokenizer, text, args.chat, args.system)
 
     def on_text(piece: str) -> None:
@@ -332,8 +291,7 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
 
     result = generate(target.model, target.tokenizer, ids, params, max_tokens=args.n_predict, stop=args.stop,
-                      on_text=on_text, ignore_eos=args.ignore_eos, proposer=proposer,
-                      draft_length=draft_length(args.draft_max, args.draft_min))
+                      on_text=on_text, ignore_eos=args.ignore_eos, proposer=proposer, draft_length=spec.policy())
     sys.stdout.write("\n")
     sys.stdout.flush()
     s = result.stats
@@ -348,6 +306,33 @@ def cmd_generate(args) -> int:
             json.dump({"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
                        "load_s": target.load_seconds, "load": {"kind": target.load_kind, **target.load_split},
                        "stats": s.to_dict()}, f, indent=1)
+    return 0
+
+
+def generate_batch(args, target, draft, spec, mtp, params) -> int:
+    """-f prompts.jsonl: every prompt through the batched engine; JSON lines in prompt-finish order on stdout."""
+    import json
+    import time
+
+    from .api import LLM
+    from .bench.prompts import load_prompts
+
+    if args.batch < 1:
+        raise ValueError("--batch must be >= 1")
+    prompts = load_prompts(args.file)
+    llm = LLM.of(target, draft, spec, max_batch=args.batch, mtp=mtp)
+
+    def emit(i: int, out) -> None:
+        print(json.dumps({"index": i, "id": prompts[i].id, "text": out.text, "finish_reason": out.finish_reason,
+                          "generated_tokens": len(out.tokens)}), flush=True)
+
+    t0 = time.perf_counter()
+    outs = llm.generate([p.text for p in prompts], params, max_tokens=args.n_predict, chat=args.chat, stop=args.stop,
+                        ignore_eos=args.ignore_eos, on_output=emit)
+    wall = time.perf_counter() - t0
+    n = sum(len(o.tokens) for o in outs)
+    print(f"{target.load_summary()} | {len(outs)} prompts, batch {args.batch}: {n} tokens in {wall:.2f} s, "
+          f"{n / wall:.1f} tok/s aggregate", file=sys.stderr)
     return 0
 
 

@@ -6,7 +6,9 @@ Behaviour is never inferred from a file name: every difference between architect
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # architecture names as GGUF / config.json spell them -> the model family that runs them
 FAMILIES = {
@@ -19,6 +21,12 @@ FAMILIES = {
     "gemma3_text": "gemma3",
 }
 SUPPORTED = "llama (incl. Llama-3.x rope scaling, SmolLM2), mistral, qwen2, qwen3, mimo, gemma3"
+
+
+def cache_dir() -> Path:
+    """Where derived files are kept (compiled kernels, converted tokenizers, layout-cache entries, assembled model
+    files): $SPECDEC_CACHE or ~/.cache/specdec."""
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
 
 
 class ModelError(Exception):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelError
+from .config import ModelError, cache_dir
 from .models.transformer import Transformer
-from .tokenizer import Tokenizer, cache_dir, load_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 from .weights import LoadedModel, read_model
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -226,6 +226,7 @@ def _convert_to_entry(entry: Path, lm, torch_dtype, q, ctx, dev, progress):
                 "linears": weights.linears, "files": layout.cheap_identity(lm.path),
                 "identity": layout.source_identity(lm.path)}
         writer.finish({"specdec_layout": json.dumps(info)})
+        layout.prune(entry.parent.parent, keep=entry)
     except OSError as e:
         writer.abort()
         layout.note(f"cannot write the layout cache ({e.strerror or e}); converting in memory")
@@ -250,3 +251,35 @@ def _check_memory(lm, path: Path) -> None:
     if need > avail:
         raise ModelError(f"{path.name} needs about {need / 2**30:.1f} GiB for its weights but only "
                          f"{avail / 2**30:.1f} GiB of memory is free: close other programs or use a smaller model")
+
+
+def progress_bar(desc: str, unit: str = "layer"):
+    """A tqdm progress bar on stderr (shown on a terminal only); returns (callback(i, n), close())."""
+    import sys
+
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(i: int, n: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=n, desc=desc, unit=unit, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
+        bar.n = i
+        bar.refresh()
+
+    def close() -> None:
+        if bar is not None:
+            bar.close()
+
+    return update, close
+
+
+def load_args(args, which: str = "model") -> Loaded:
+    """load() from the command line's common flags (-m / -md, --dtype, --quant, --device, -c), with a progress bar."""
+    update, close = progress_bar(f"loading {which.replace('_', ' ')}")
+    try:
+        return load(getattr(args, which), dtype=args.dtype, quant=args.quant, device=args.device,
+                    ctx=args.ctx_size, progress=update)
+    finally:
+        close()

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
-from .config import ModelError
+from .config import ModelError, cache_dir
 
 # Gemma GGUFs converted without a template: the official Gemma 3 chat template (system folded into the first turn).
 GEMMA_TEMPLATE = (
@@ -36,11 +36,6 @@ CHATML_TEMPLATE = (
 # texts of control tokens that end a turn in the chat formats we know (llama.cpp treats these as end-of-generation)
 EOG_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>",
              "<|end_of_text|>", "<eos>", "<|return|>")
-
-
-def cache_dir() -> Path:
-    """Where converted tokenizers (and other derived files) are kept: $SPECDEC_CACHE or ~/.cache/specdec."""
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
 def _render_template(template: str, messages: Sequence[dict], **kwargs) -> str:

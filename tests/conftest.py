@@ -11,6 +11,33 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _isolated_cache() -> None:
+    """Tests write layout-cache entries and converted tokenizers for hundreds of temporary files: keep them out of
+    the user's cache. The compiled kernels, the assembled Gemma file and the real models' tokenizers are linked in
+    from it (compiling or converting them again would cost a minute)."""
+    import tempfile
+
+    real = Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
+    tmp = Path(tempfile.mkdtemp(prefix="specdec-test-cache-"))
+    real.mkdir(parents=True, exist_ok=True)
+    (real / "models").mkdir(exist_ok=True)
+    (real / "tokenizers").mkdir(exist_ok=True)
+    (tmp / "models").symlink_to(real / "models")
+    (tmp / "tokenizers").mkdir()
+    for entry in (real / "tokenizers").iterdir():
+        (tmp / "tokenizers" / entry.name).symlink_to(entry)
+    for so in real.glob("*.so"):
+        (tmp / so.name).symlink_to(so)
+    os.environ["SPECDEC_CACHE"] = str(tmp)
+    import atexit
+    import shutil
+
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+
+
+_isolated_cache()
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 CHAT_PROMPTS = [

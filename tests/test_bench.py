@@ -156,3 +156,37 @@ def test_bench_baseline_is_plain_whatever_the_order(tmp_path):
     assert rows[("all", "silent peer")]["tok_s"] is None and rows[("all", "silent peer")]["speedup"] is None
     assert 0 < rows[("all", "plain")]["bus"] and 0 < rows[("all", "plain")]["compute"] < 1
     assert 0 <= ng["draft_share"] < 1 and 0 < ng["verify_share"] <= 1
+
+
+BATCHED_BENCH = """
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|   128 |    128 |    1 |    256 |    0.352 |   363.46 |    0.801 |   159.80 |    1.153 |   222.00 |
+|   128 |    128 |    4 |   1024 |    1.402 |   365.18 |    1.660 |   308.43 |    3.062 |   334.40 |
+"""
+
+
+def test_batched_bench_table_is_parsed():
+    from specdec.bench.peers import parse_batched_bench
+
+    rows = parse_batched_bench(BATCHED_BENCH)
+    assert [(r["batch"], r["tg_tok_s"]) for r in rows] == [(1, 159.8), (4, 308.43)]
+    with pytest.raises(ValueError, match="no table"):
+        parse_batched_bench("nothing")
+
+
+def test_bench_batch_sizes_end_to_end(tmp_path, capsys):
+    """`bench --batch`: every prompt through the batched engine at each size; outputs identical to batch 1."""
+    model = write_gguf("llama", tmp_path / "t.gguf", seed=3)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{w} one two three one two three"}) + "\n"
+                               for w in ("alpha", "beta", "gamma", "delta", "epsilon")))
+    out = tmp_path / "b.json"
+    rc = main(["bench", "-m", str(model), "--prompts", str(prompts), "--mode", "plain,ngram", "-n", "10",
+               "--batch", "2,4", "--no-chat", "--ignore-eos", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    got = {(r["mode"], r["batch"]) for r in report["rows"]}
+    assert got == {(m, b) for m in ("plain", "ngram") for b in (1, 2, 4)} and report["mismatches"] == []
+    assert all(r["tokens"] == 50 for r in report["rows"])
+    assert "every batched output is identical" in capsys.readouterr().out

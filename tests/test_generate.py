@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specdec.generate import generate, prefill
+from specdec.generate import generate
 from specdec.sampling import SamplingParams, make_generator, probs_from_logits, sample
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -38,7 +38,7 @@ def test_prefill_decode_equals_full_forward(smollm2_f32):
         full, _ = m(torch.tensor([ids]), torch.arange(len(ids)), m.new_cache())
         cache = m.new_cache()
         n = len(ids) - 6
-        last, _ = prefill(m, ids[:n], cache, chunk=7)  # several chunks
+        last, _ = m.prefill(ids[:n], cache, chunk=7)  # several chunks
         steps = [last]
         for i in range(n, len(ids)):
             lg, _ = m(torch.tensor([[ids[i]]]), torch.tensor([i]), cache)
@@ -55,12 +55,12 @@ def test_rollback_then_regenerate_equals_never_going_ahead(smollm2_default):
     n = len(ids)
     with torch.inference_mode():
         a = m.new_cache()
-        prefill(m, ids, a)
+        m.prefill(ids, a)
         m(torch.tensor([[11, 12, 13, 14, 15]]), torch.arange(n, n + 5), a)
         a.rollback(n + 2)
         la, _ = m(torch.tensor([[21, 22, 23]]), torch.arange(n + 2, n + 5), a)
         b = m.new_cache()
-        prefill(m, ids, b)
+        m.prefill(ids, b)
         m(torch.tensor([[11, 12]]), torch.arange(n, n + 2), b)
         lb, _ = m(torch.tensor([[21, 22, 23]]), torch.arange(n + 2, n + 5), b)
     assert torch.equal(la, lb)
@@ -74,13 +74,13 @@ def test_keep_compacts_tree_slots(smollm2_default):
     n = len(ids)
     with torch.inference_mode():
         a = m.new_cache()
-        prefill(m, ids, a)
+        m.prefill(ids, a)
         m(torch.tensor([[11, 12, 13, 14]]), torch.arange(n, n + 4), a)
         a.keep(n, [n + 1, n + 3])  # keep tokens 12 and 14 (their K/V were computed at positions n+1, n+3)
         assert a.length == n + 2
         assert a.pos[n:n + 2].tolist() == [n + 1, n + 3]
         b = m.new_cache()
-        prefill(m, ids, b)
+        m.prefill(ids, b)
         m(torch.tensor([[11, 12, 13, 14]]), torch.arange(n, n + 4), b)
     assert torch.equal(a.kv[:, :, n], b.kv[:, :, n + 1]) and torch.equal(a.kv[:, :, n + 1], b.kv[:, :, n + 3])
 

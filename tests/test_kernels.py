@@ -21,7 +21,7 @@ def make(H: int, Hkv: int, D: int, S: int, dtype: torch.dtype, seed: int = 0):
 
 
 def run(qkv, kv, kt, H, Hkv, start, tails, window=None, scale=0.125):
-    spans, tail = kernels.row_spans(start, tails, window)
+    spans, tail = kernels.row_spans([(0, start, [int(x) for x in t]) for t in tails], window)
     return kernels.attend(qkv, kv, kt, H, Hkv, spans, tail, scale)
 
 
@@ -70,7 +70,7 @@ def test_rope_store_is_apply_rope_then_the_cache_writes(dtype, H, Hkv, D):
     kv2[:, start:start + T] = ref[:, :, H:]
     kernels.store_keys(kv2, kt2, start, start + T)
     got = qkv.clone()
-    kernels.rope_store(got, kv, kt, *rope.rows(pos), start, H, Hkv)
+    kernels.rope_store(got, kv, kt, *rope.rows(pos), torch.arange(start, start + T), H, Hkv)
     tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the same f32 result, or the next value
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(kv.float(), kv2.float(), atol=tol, rtol=tol)
@@ -78,7 +78,7 @@ def test_rope_store_is_apply_rope_then_the_cache_writes(dtype, H, Hkv, D):
     assert torch.equal(kv[:, start:start + T], got[0, :, H:][None]) and torch.equal(kv[:, :start], kv2[:, :start])
     for i in range(T):  # a row alone is bitwise the same row of the batch
         one = qkv[:, i:i + 1].clone()
-        kernels.rope_store(one, kv.clone(), kt.clone(), *rope.rows(pos[i:i + 1]), start + i, H, Hkv)
+        kernels.rope_store(one, kv.clone(), kt.clone(), *rope.rows(pos[i:i + 1]), torch.tensor([start + i]), H, Hkv)
         assert torch.equal(one[0, 0], got[0, i])
 
 

@@ -16,6 +16,7 @@ from tiny_models import write_gguf
 from specdec.loader import load
 from specdec.weights import layout
 
+SESSION = Path(os.environ["SPECDEC_CACHE"])  # the test session's cache (conftest.py), with the compiled kernels
 MIX = {"blk.0.*": "Q4_K", "blk.1.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K", "token_embd.weight": "Q8_0"}
 
 
@@ -24,9 +25,8 @@ def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv("SPECDEC_CACHE", str(root))
     # the kernels are compiled once per machine into the real cache; reuse them instead of compiling again
-    real = Path(os.environ.get("HOME", "~")).expanduser() / ".cache" / "specdec"
     root.mkdir()
-    for so in real.glob("*.so"):
+    for so in SESSION.glob("*.so"):
         (root / so.name).symlink_to(so)
     return root
 
@@ -136,13 +136,18 @@ def test_different_files_never_share_an_entry(cache, tmp_path):
     # other settings (here: plain float weights) are another entry too
     load(a, ctx=64, quant="none")
     assert len(entries(cache)) == 3
+    # entries of deleted files go when the next entry is written
+    b.unlink()
+    c = write_gguf("llama", tmp_path / "c" / "m.gguf", qtype="Q4_0", seed=11)
+    load(c, ctx=64)
+    assert len(entries(cache)) == 3 and all("specdec_layout" in layout.read_entry(e)[0] for e in entries(cache))
 
 
 def test_unwritable_cache_converts_in_memory(tmp_path, monkeypatch, capfd):
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("x")
     monkeypatch.setenv("SPECDEC_CACHE", str(blocked))  # a file: nothing can be created under it
-    monkeypatch.setattr("specdec.kernels.cache_dir", lambda: Path(os.environ["HOME"]) / ".cache" / "specdec")
+    monkeypatch.setattr("specdec.kernels.cache_dir", lambda: SESSION)
     path = write_gguf("llama", tmp_path / "m.gguf", qtype="Q4_0", seed=10)
     loaded = load(path, ctx=64)
     assert loaded.load_kind == "converted in memory"
@@ -168,7 +173,7 @@ def test_peak_memory_of_loading_the_default_model(cache, smollm2_path):
     Before the layout cache every load cost +600 MB (a bf16 copy of the embedding, f32 copies of whole matrices
     while quantizing, and the GGUF's pages)."""
     env = dict(os.environ, SPECDEC_CACHE=str(cache))
-    tok_dir = Path(os.environ.get("HOME", "~")).expanduser() / ".cache" / "specdec" / "tokenizers"
+    tok_dir = SESSION / "tokenizers"
     if tok_dir.exists():  # the tokenizer conversion (transformers, once per file) is not what this measures
         (cache / "tokenizers").symlink_to(tok_dir)
     rows = []

@@ -15,10 +15,10 @@ from specdec.config import ModelError
 from specdec.generate import generate
 from specdec.loader import load
 from specdec.sampling import SamplingParams
-from specdec.spec import build_proposer, resolve_mtp
+from specdec.spec import SpecConfig, build_proposer, resolve_mtp
 from specdec.spec.autok import FixedDraftLength
-from specdec.train.heads_file import base_fingerprint, check_base, load_heads, read_header, save_heads, shipped_heads
 from specdec.train.mtp import TrainConfig, TrainParallel, TrainSequential, train_mtp
+from specdec.weights.heads import base_fingerprint, check_base, load_heads, read_header, save_heads, shipped_heads
 
 GREEDY = SamplingParams(temperature=0.0)
 N = 40
@@ -71,7 +71,8 @@ def heads_for(target, tmp_path, which):
 def test_greedy_identity_chain_and_tree(target, plain, tmp_path, which, tree, k):
     mtp = heads_for(target, tmp_path, which)
     for p, ref in plain.items():
-        proposer = build_proposer("mtp", target, GREEDY, mtp=mtp, tree=tree)
+        spec = SpecConfig(kind="mtp", tree=tuple(tree) if tree else None)
+        proposer = build_proposer(spec, target, GREEDY, mtp=mtp)
         r = generate(target.model, target.tokenizer, chat(target.tokenizer, p), GREEDY, max_tokens=N,
                      ignore_eos=True, proposer=proposer, draft_length=FixedDraftLength(k))
         assert r.tokens == ref, f"{which} tree={tree} k={k} differs on {p!r}"
@@ -82,7 +83,7 @@ def test_shipped_heads_are_default_and_accept(target):
     """Without flags, `specdec generate` drafts with the shipped heads, and they do get accepted."""
     mtp = resolve_mtp(target)
     assert mtp is not None
-    proposer = build_proposer("mtp", target, GREEDY, mtp=mtp)
+    proposer = build_proposer(SpecConfig(kind="mtp"), target, GREEDY, mtp=mtp)
     r = generate(target.model, target.tokenizer, chat(target.tokenizer, CHAT_PROMPTS[0]), GREEDY, max_tokens=64,
                  proposer=proposer, draft_length=FixedDraftLength(3))
     assert r.stats.acceptance_rate > 0.05  # random heads: ~0
@@ -95,11 +96,11 @@ def test_sampled_mtp_is_reproducible_and_runs(target, tmp_path):
     params = SamplingParams(temperature=0.8, top_k=40, seed=3)
     outs = []
     for _ in range(2):
-        proposer = build_proposer("mtp", target, params, mtp=mtp)
+        proposer = build_proposer(SpecConfig(kind="mtp"), target, params, mtp=mtp)
         outs.append(generate(target.model, target.tokenizer, chat(target.tokenizer, CHAT_PROMPTS[1]), params,
                              max_tokens=30, proposer=proposer, draft_length=FixedDraftLength(3)).tokens)
     assert outs[0] == outs[1]
-    tree = build_proposer("mtp", target, params, mtp=mtp, tree=[2, 2])
+    tree = build_proposer(SpecConfig(kind="mtp", tree=(2, 2)), target, params, mtp=mtp)
     r = generate(target.model, target.tokenizer, chat(target.tokenizer, CHAT_PROMPTS[1]), params, max_tokens=30,
                  proposer=tree, draft_length=FixedDraftLength(6))
     assert len(r.tokens) == 30

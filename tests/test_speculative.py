@@ -10,10 +10,11 @@ from conftest import CHAT_PROMPTS, chat
 from tiny_models import write_gguf
 
 from specdec.config import ModelError
-from specdec.generate import generate, prefill
+from specdec.engine import Engine, Sequence
+from specdec.generate import generate
 from specdec.loader import load
 from specdec.sampling import SamplingParams
-from specdec.spec import build_proposer
+from specdec.spec import SpecConfig, build_proposer
 from specdec.spec.autok import FixedDraftLength
 from specdec.spec.base import Draft
 from specdec.spec.ngram import NgramProposer
@@ -80,9 +81,9 @@ def tiny_draft(tmp_path_factory):
 
 def make(kind, target, tiny_draft):
     if kind == "self":
-        return build_proposer("draft", target, GREEDY, target)
+        return build_proposer(SpecConfig(kind="draft", draft_p_min=0.0), target, GREEDY, target)
     if kind == "tiny":
-        return build_proposer("draft", target, GREEDY, tiny_draft)
+        return build_proposer(SpecConfig(kind="draft", draft_p_min=0.0), target, GREEDY, tiny_draft)
     if kind == "ngram":
         return NgramProposer(1, 4)
     return RandomProposer(target.model.args.vocab_size)
@@ -121,9 +122,9 @@ def test_greedy_identity_with_auto_draft_length(target, plain, tiny_draft, kind)
 
 
 def test_self_draft_accepts_everything(target):
+    proposer = build_proposer(SpecConfig(kind="draft", draft_p_min=0.0), target, GREEDY, target)
     r = generate(target.model, target.tokenizer, chat(target.tokenizer, PROMPTS[0]), GREEDY, max_tokens=N,
-                 ignore_eos=True, proposer=build_proposer("draft", target, GREEDY, target),
-                 draft_length=FixedDraftLength(4))
+                 ignore_eos=True, proposer=proposer, draft_length=FixedDraftLength(4))
     assert r.stats.drafted > 0 and r.stats.acceptance_rate == 1.0
     assert r.stats.mean_accepted_length > 4.0  # 4 accepted + the bonus token per forward (the last one may be short)
 
@@ -133,21 +134,23 @@ def test_rollback_leaves_caches_as_if_never_drafted(target, tiny_draft):
     a run that never drafted: prefill of the prompt, then one token per forward (plain decoding)."""
     tok = target.tokenizer
     ids = chat(tok, PROMPTS[0])
-    cache = target.model.new_cache()
-    proposer = build_proposer("draft", target, GREEDY, tiny_draft)
-    r = generate(target.model, tok, ids, GREEDY, max_tokens=24, ignore_eos=True, proposer=proposer,
-                 draft_length=FixedDraftLength(4), cache=cache)
+    proposer = build_proposer(SpecConfig(kind="draft", draft_p_min=0.0), target, GREEDY, tiny_draft)
+    engine = Engine(target.model)
+    seq = engine.add(Sequence(ids, GREEDY, 24, True, proposer, FixedDraftLength(4)))
+    cache = seq.cache
+    engine.run([seq])
+    r = seq
     assert r.stats.drafted > r.stats.accepted  # there were rejections
-    assert cache.length == len(ids) + len(r.tokens) - 1  # everything but the pending token
+    assert cache.length == len(ids) + len(r.out) - 1  # everything but the pending token
     with torch.inference_mode():
         for model, used in ((target.model, cache), (tiny_draft.model, proposer.cache)):
             fresh = model.new_cache()
-            prefill(model, ids, fresh)
-            for i, t in enumerate(r.tokens[:used.length - len(ids)]):
+            model.prefill(ids, fresh)
+            for i, t in enumerate(r.out[:used.length - len(ids)]):
                 model(torch.tensor([[t]]), torch.tensor([len(ids) + i]), fresh)
             assert fresh.length == used.length
             assert torch.equal(used.kv[:, :, :used.length], fresh.kv[:, :, :used.length])
-            nxt = torch.tensor([[r.tokens[-1]]])
+            nxt = torch.tensor([[r.out[-1]]])
             a, _ = model(nxt, torch.tensor([used.length]), used)
             b, _ = model(nxt, torch.tensor([fresh.length]), fresh)
             assert torch.equal(a, b)
@@ -156,7 +159,7 @@ def test_rollback_leaves_caches_as_if_never_drafted(target, tiny_draft):
 def test_vocabulary_mismatch_is_refused(target, gemma_path):
     gemma = load(gemma_path, ctx=256)
     with pytest.raises(ModelError, match="differ"):
-        build_proposer("draft", target, GREEDY, gemma)
+        build_proposer(SpecConfig(kind="draft", draft_p_min=0.0), target, GREEDY, gemma)
 
 
 def test_eos_stop_and_max_tokens_inside_accepted_draft(target):

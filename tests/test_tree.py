@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.generate import prefill
 from specdec.sampling import make_generator, sample
 from specdec.spec.tree import depths, paths, tree_mask, verify_tree_greedy, verify_tree_stochastic
 
@@ -24,7 +23,7 @@ def test_shapes():
 def decode_path(model, prompt, tokens):
     """Plain decoding: prefill, then one token per forward; returns (last logits, cache)."""
     cache = model.new_cache()
-    prefill(model, prompt, cache)
+    model.prefill(prompt, cache)
     for t in tokens:
         logits, _ = model(torch.tensor([[t]]), torch.tensor([cache.length]), cache)
     return logits[0, -1], cache
@@ -39,7 +38,7 @@ def test_tree_attention_equals_plain_decoding_of_each_path(smollm2_default, monk
     n = len(prompt)
     with torch.inference_mode():
         cache = m.new_cache()
-        prefill(m, prompt, cache)
+        m.prefill(prompt, cache)
         rows = torch.tensor([[root] + TOKENS])
         pos = torch.tensor([n] + [n + d for d in depths(PARENTS)])
         logits, _ = m(rows, pos, cache, parents=PARENTS, exact=exact)

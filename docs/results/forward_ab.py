@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from specdec.generate import prefill
 from specdec.loader import load
 
 
@@ -24,7 +23,7 @@ def main() -> None:
     model = load(None, ctx=1024).model
     cache = model.new_cache()
     tokens = torch.randint(0, 40000, (1, ctx))
-    prefill(model, tokens[0].tolist(), cache)
+    model.prefill(tokens[0].tolist(), cache)
     ts = (1, 2, 3, 4, 8)
     times: dict[int, list[float]] = {t: [] for t in ts}
     with torch.inference_mode():

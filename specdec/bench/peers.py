@@ -162,3 +162,32 @@ def build_peers(specs: list[str], target, draft, draft_max: str) -> list:
         else:
             raise ValueError(f"unknown --peer '{spec}': use hf or llama.cpp:DIR")
     return peers
+
+
+def batched_peer(build_dir: str, model: Path, batches: list[int], n: int, threads: int | None = None,
+                 prompt_len: int = 128) -> list[dict]:
+    """llama.cpp's llama-batched-bench on the same file: text-generation throughput (S_TG, all sequences together)
+    for each batch size, prompt_len prompt tokens and n generated tokens per sequence."""
+    exe = LlamaCppPeer.find(Path(build_dir), "llama-batched-bench")
+    if exe is None:
+        raise ValueError(f"llama-batched-bench not found under {build_dir}")
+    cmd = [str(exe), "-m", str(model), "-c", str(max(batches) * (prompt_len + n) + 64), "-b", "2048", "-ub", "512",
+           "-npp", str(prompt_len), "-ntg", str(n), "-npl", ",".join(map(str, batches)), "-t",
+           str(threads or torch.get_num_threads())]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise ValueError(f"llama-batched-bench failed (exit {r.returncode}): {r.stderr.strip()[-300:]}")
+    return parse_batched_bench(r.stdout + r.stderr)
+
+
+def parse_batched_bench(text: str) -> list[dict]:
+    """Rows of llama-batched-bench's table: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | ..."""
+    out = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[0].isdigit() and cells[2].isdigit():
+            out.append({"pp": int(cells[0]), "tg": int(cells[1]), "batch": int(cells[2]),
+                        "pp_tok_s": float(cells[5]), "tg_tok_s": float(cells[7])})
+    if not out:
+        raise ValueError("no table found in llama-batched-bench's output")
+    return out

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelArgs
-from ..spec.costmodel import best_k, expected_tokens_iid, speedup
+from ..spec.costmodel import best_k, expected_tokens_iid, interpolate, speedup
 
 DEFAULT_TS = (1, 2, 4, 8, 16, 32, 64)
 FULL_TS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32, 64)  # every T a K <= 8 verification uses, then the trend
@@ -136,7 +136,6 @@ def forward_costs(model, context: int, ts: Sequence[int] = DEFAULT_TS, exact: bo
     bitwise equal to decode steps; see Transformer.__call__). The T values are interleaved within each repeat, so
     noise on a shared machine hits them alike (those up to K_MAX + 1 apart from larger ones); `warmup` rounds are
     excluded."""
-    from ..generate import prefill
 
     ts = sorted(set(ts))
     cache = _cache_for(model, context, max(ts))
@@ -144,7 +143,7 @@ def forward_costs(model, context: int, ts: Sequence[int] = DEFAULT_TS, exact: bo
     times: dict[int, list[float]] = {t: [] for t in ts}
     with torch.inference_mode():
         if context:
-            prefill(model, _random_tokens(context, vocab, 0), cache)
+            model.prefill(_random_tokens(context, vocab, 0), cache)
         inputs = {t: (torch.tensor([_random_tokens(t, vocab, t)], device=model.device),
                       torch.arange(context, context + t, device=model.device)) for t in ts}
         # the draft-length range (T <= K_MAX + 1) is interleaved apart from larger T: a T = 1 forward right after
@@ -168,7 +167,6 @@ def forward_costs(model, context: int, ts: Sequence[int] = DEFAULT_TS, exact: bo
 def draft_cost(draft_model, context: int, n_tokens: int = 8, repeats: int = 5, warmup: int = 1) -> float:
     """Seconds per drafted token of a draft model: `n_tokens` successive T = 1 forwards (last logits only, then an
     argmax, as the draft-model proposer drafts greedily) after `context` cached tokens; median over repeats."""
-    from ..generate import prefill
 
     cache = _cache_for(draft_model, context, n_tokens)
     dev = draft_model.device
@@ -176,7 +174,7 @@ def draft_cost(draft_model, context: int, n_tokens: int = 8, repeats: int = 5, w
     per_token = []
     with torch.inference_mode():
         if context:
-            prefill(draft_model, _random_tokens(context, vocab, 1), cache)
+            draft_model.prefill(_random_tokens(context, vocab, 1), cache)
 
         def run() -> None:
             tok = 0
@@ -235,28 +233,11 @@ def forward_counts(args: ModelArgs, weight_bytes: int, kv_bytes_per_token: int, 
 
 
 def verify_curve(costs: dict[int, float]) -> Callable[[int], float]:
-    """v(T) / v(1) from measured seconds per T (T = 1 required): linear between measured T, extrapolated beyond the
-    largest with the slope of its last segment (never below the last measured value)."""
+    """v(T) / v(1) from measured seconds per T (T = 1 required), interpolated as --draft-max auto does
+    (costmodel.interpolate)."""
     if 1 not in costs:
         raise ValueError("the verify curve needs the cost of T = 1")
-    ts = sorted(costs)
-    base = costs[1]
-
-    def v(t: int) -> float:
-        if t in costs:
-            return costs[t] / base
-        lo = max((x for x in ts if x < t), default=ts[0])
-        hi = min((x for x in ts if x > t), default=None)
-        if hi is None:
-            if len(ts) == 1:
-                return 1.0
-            a, b = ts[-2], ts[-1]
-            slope = max(0.0, (costs[b] - costs[a]) / (b - a))
-            return (costs[b] + slope * (t - b)) / base
-        w = (t - lo) / (hi - lo)
-        return ((1 - w) * costs[lo] + w * costs[hi]) / base
-
-    return v
+    return lambda t: interpolate(costs, t, prior_slope=0.0) / costs[1]
 
 
 def predict(v: Callable[[int], float], c: float, alpha: float, k_max: int = K_MAX) -> dict:
@@ -421,7 +402,7 @@ def print_report(r: dict) -> None:
 
 
 def cmd_roofline(args) -> int:
-    from ..cli import load_model
+    from ..loader import load_args as load_model
 
     alphas = parse_alphas(args.alpha)
     target = load_model(args)

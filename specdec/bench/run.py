@@ -92,7 +92,7 @@ def plain_mode() -> Mode:
 
 
 def cmd_bench(args) -> int:
-    from ..cli import load_model
+    from ..loader import load_args as load_model
     from ..spec import resolve_mtp
 
     prompts = load_prompts(args.prompts, args.category, args.limit)
@@ -109,6 +109,8 @@ def cmd_bench(args) -> int:
             modes_wanted += ["mtp", "mtp-tree"]
         if resolve_mtp(target, None, "parallel"):
             modes_wanted += ["medusa", "medusa-tree"]
+    if args.batch:
+        return cmd_batch_bench(args, target, prompts, [m for m in modes_wanted if not m.endswith("-tree")])
     modes = build_modes(modes_wanted, target, args)
     from .peers import build_peers
 
@@ -139,8 +141,9 @@ def cmd_bench(args) -> int:
 
 def build_modes(names: list[str], target, args) -> list[Mode]:
     """One Mode per (speculation kind, --draft-max value): `--draft-max auto,2,4,8` gives four rows per kind."""
-    from ..cli import draft_length, load_model, parse_tree
-    from ..spec import build_proposer, resolve_mtp
+    from ..loader import load_args as load_model
+    from ..spec import SpecConfig, build_proposer, resolve_mtp
+    from ..spec.config import parse_tree
 
     ks = [v.strip() for v in str(args.draft_max).split(",") if v.strip()]
     modes = []
@@ -154,7 +157,7 @@ def build_modes(names: list[str], target, args) -> list[Mode]:
             if not args.model_draft:
                 raise ValueError("mode draft needs a draft model: give -md DRAFT")
             draft = draft or load_model(args, "model_draft")
-            build_proposer("draft", target, GREEDY, draft)  # refuses a mismatched vocabulary before any run
+            build_proposer(SpecConfig(kind="draft"), target, GREEDY, draft)  # refuses a mismatched vocabulary now
             models, draft_bytes = "target + draft", draft.model.weight_bytes
         elif name in MTP_MODES:
             kind = "mtp"
@@ -168,11 +171,12 @@ def build_modes(names: list[str], target, args) -> list[Mode]:
             raise ValueError(f"unknown mode '{name}': use plain, ngram, draft, {', '.join(MTP_MODES)}")
         for k in ks:
             label = f"{name} (K {k})" if len(ks) > 1 or k != "auto" else name
+            spec = SpecConfig(kind=kind, draft_max=k, draft_min=args.draft_min, draft_p_min=args.draft_p_min,
+                              ngram_min=args.ngram_min, ngram_max=args.ngram_max, tree=tree)
+            spec.validate()
 
-            def make(kind=kind, k=k, draft=draft, mtp=mtp, tree=tree):
-                proposer = build_proposer(kind, target, GREEDY, draft, args.draft_p_min, args.ngram_min,
-                                          args.ngram_max, mtp, tree)
-                return proposer, draft_length(k, args.draft_min)
+            def make(spec=spec, draft=draft, mtp=mtp):
+                return build_proposer(spec, target, GREEDY, draft, mtp), spec.policy()
 
             modes.append(Mode(label, models, make, draft_bytes=draft_bytes))
     if "plain" not in names:
@@ -320,3 +324,87 @@ def print_report(report: dict) -> None:
     summary = ", ".join(f"{m} {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x)" for m, r in allrows.items()
                         if r["tok_s"] is not None)
     print(f"summary: {summary}; peak RSS {report['peak_rss_mb']:.0f} MB", file=sys.stderr)
+
+
+def cmd_batch_bench(args, target, prompts: list[Prompt], modes: list[str]) -> int:
+    """`bench --batch 1,2,4,8`: every prompt through the batched engine at each batch size, per mode; greedy, so
+    every output must equal its batch-1 output."""
+    from pathlib import Path
+
+    from .peers import batched_peer
+
+    try:
+        batches = sorted({int(b) for b in str(args.batch).split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(f"--batch takes batch sizes like 1,2,4,8, not '{args.batch}'") from None
+    if not batches or min(batches) < 1:
+        raise ValueError("--batch sizes must be >= 1")
+    if 1 not in batches:
+        batches = [1] + batches  # the reference for speedups and for greedy identity
+    report = run_batch_bench(target, modes, prompts, args.n_predict, batches, args, chat=not args.no_chat)
+    for spec in args.peer:
+        if spec.startswith("llama.cpp:"):
+            report["peers"] = batched_peer(spec.split(":", 1)[1], target.path, batches, args.n_predict)
+    print_batch_report(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 1 if report["mismatches"] else 0
+
+
+def run_batch_bench(target, modes: list[str], prompts: list[Prompt], n: int, batches: list[int], args,
+                    chat: bool = True) -> dict:
+    import time
+
+    from ..api import LLM
+    from ..spec import SpecConfig, resolve_mtp
+
+    ids = [chat_prompt_ids(target.tokenizer, p, chat) for p in prompts]
+    rows, mismatches, ref = [], [], {}
+    for mode in modes:
+        kind = "none" if mode == "plain" else mode
+        spec = SpecConfig(kind=kind, draft_max=str(args.draft_max).split(",")[0], ngram_min=args.ngram_min,
+                          ngram_max=args.ngram_max)
+        mtp = resolve_mtp(target, args.heads) if kind == "mtp" else None
+        for b in batches:
+            llm = LLM.of(target, None, spec, max_batch=b, mtp=mtp)
+            llm.generate(ids[:1], GREEDY, max_tokens=8, progress=False)  # warm-up
+            t0 = time.perf_counter()
+            outs = llm.generate(ids, GREEDY, max_tokens=n, ignore_eos=args.ignore_eos, progress=False)
+            wall = time.perf_counter() - t0
+            toks = sum(len(o.tokens) for o in outs)
+            st = Stats()
+            for o in outs:
+                st.merge(o.stats)
+            per_seq = statistics.median(o.stats.decode_tok_s for o in outs if o.stats.decode_tok_s > 0)
+            for i, o in enumerate(outs):
+                if (mode, 1) in ref and ref[(mode, 1)][i] != o.tokens:
+                    mismatches.append({"mode": mode, "batch": b, "prompt": prompts[i].id})
+            if b == 1:
+                ref[(mode, 1)] = [o.tokens for o in outs]
+            rows.append({"mode": mode, "batch": b, "aggregate_tok_s": toks / wall, "per_sequence_tok_s": per_seq,
+                         "tokens": toks, "wall_s": wall, "mean_accepted": st.mean_accepted_length,
+                         "acceptance": st.acceptance_rate})
+            print(f"batch {b} {mode}: {toks / wall:.1f} tok/s aggregate", file=sys.stderr)
+    base = next(r["aggregate_tok_s"] for r in rows if r["mode"] == modes[0] and r["batch"] == 1)
+    for r in rows:
+        r["vs_plain_batch1"] = r["aggregate_tok_s"] / base
+    return {"machine": machine_info(), "rows": rows, "mismatches": mismatches, "batches": batches,
+            "prompts": [{"id": p.id, "category": p.category} for p in prompts], "n_predict": n,
+            "model": str(target.path), "peak_rss_mb": peak_rss_mb()}
+
+
+def print_batch_report(report: dict) -> None:
+    print("| batch | mode | aggregate tok/s | per-sequence tok/s | vs batch 1 plain | mean accepted |")
+    print("|---|---|---|---|---|---|")
+    for r in report["rows"]:
+        print(f"| {r['batch']} | {r['mode']} | {r['aggregate_tok_s']:.1f} | {r['per_sequence_tok_s']:.1f} | "
+              f"{r['vs_plain_batch1']:.2f} | {r['mean_accepted']:.2f} |")
+    for peer in report.get("peers", []):
+        print(f"| {peer['batch']} | llama.cpp batched-bench (S_TG) | {peer['tg_tok_s']:.1f} | "
+              f"{peer['tg_tok_s'] / peer['batch']:.1f} | - | - |")
+    if report["mismatches"]:
+        print(f"\n!!! {len(report['mismatches'])} batched outputs DIFFER from batch 1", file=sys.stderr)
+    else:
+        print("\nevery batched output is identical to its batch-1 output")

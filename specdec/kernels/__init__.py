@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import cache_dir
+
 SOURCE = Path(__file__).with_name("attention.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -32,10 +34,6 @@ def _cpu_id() -> bytes:
         return os.uname().machine.encode()
     lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(lines))).encode()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
 
 
 def _build(name: str, fallback: str) -> ctypes.CDLL | None:
@@ -82,7 +80,7 @@ def attention_lib() -> ctypes.CDLL | None:
     g.argtypes = [ptr, ptr, i, ctypes.c_long, ctypes.c_long, ctypes.c_long, i, i, ctypes.c_long, ctypes.c_long, i]
     r = dll.specdec_rope_store
     r.restype = None
-    r.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, ctypes.c_long, ctypes.c_long, i]
+    r.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, ctypes.c_long, ptr, i]
     return dll
 
 
@@ -94,21 +92,21 @@ def kernel_supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> 
     return device.type == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS and attention_lib() is not None
 
 
-def row_spans(start: int, tails: list[torch.Tensor], window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """What each of T rows attends, as attend() takes it: every slot before `start`, then the slots tails[r] (its
-    own chain or tree path, itself last), all but the last `window` of them dropped for a sliding-window layer.
-    -> (spans [3 T + 1]: the T rows' first slots, the T ends of their consecutive runs (all `start`), the T + 1
-    offsets of their tails in the second tensor; the tail slots, concatenated)."""
-    lo, hi, cut = [], [], []
-    for tail in tails:
+def row_spans(rows: list[tuple[int, int, list[int]]], window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each of T rows attends, as attend() takes it. rows[r] = (base, start, tail): the row's sequence owns pool
+    slots from `base` on and has `start` tokens cached before this forward; the row attends those, then the slots
+    `tail` (absolute: its own chain or tree path in this forward, itself last), all but the last `window` of them
+    dropped for a sliding-window layer. -> (spans [3 T + 1]: the rows' first slots, the ends of their consecutive
+    runs (base + start), the T + 1 offsets of their tails in the second tensor; the tail slots, concatenated)."""
+    lo, hi, cut, offsets = [], [], [], [0]
+    for base, start, tail in rows:
         first = max(0, start + len(tail) - window) if window else 0
-        lo.append(min(first, start))
-        hi.append(start)
-        cut.append(tail[max(0, first - start):])
-    offsets = [0]
-    for c in cut:
-        offsets.append(offsets[-1] + len(c))
-    return torch.tensor(lo + hi + offsets, dtype=torch.int64), torch.cat(cut)
+        lo.append(base + min(first, start))
+        hi.append(base + start)
+        kept = tail[max(0, first - start):]
+        cut.extend(kept)
+        offsets.append(offsets[-1] + len(kept))
+    return torch.tensor(lo + hi + offsets, dtype=torch.int64), torch.tensor(cut, dtype=torch.int64)
 
 
 TILE = 32  # slots per tile of transposed keys (BLOCK in attention.c)
@@ -133,15 +131,16 @@ def store_keys(kv: torch.Tensor, kt: torch.Tensor, start: int, end: int) -> None
 
 
 def rope_store(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               start: int, n_heads: int, n_kv: int) -> None:
+               slots: torch.Tensor, n_heads: int, n_kv: int) -> None:
     """RoPE on qkv's query and key heads in place (qkv [1, T, H + 2 Hkv, D], contiguous; cos, sin f32 [T, D]: the
-    Rope tables' rows at the T positions), then the keys and values stored at slots [start, start + T) of one
-    layer's cache kv [1, S, 2 Hkv, D] and the keys in its tiles kt [Hkv, tiles, D, 32] (see attention.c)."""
+    Rope tables' rows at the T positions), then row t's key and value stored at slot slots[t] (int64 [T]) of one
+    layer's cache kv [1, S, 2 Hkv, D] and the key in its tiles kt [Hkv, tiles, D, 32] (see attention.c)."""
     _, T, _, D = qkv.shape
     assert qkv.is_contiguous() and kv.is_contiguous() and kt.is_contiguous() and qkv.dtype == kv.dtype == kt.dtype
     assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    assert slots.dtype == torch.int64 and slots.numel() == T and slots.is_contiguous()
     attention_lib().specdec_rope_store(qkv.data_ptr(), T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(),
-                                       kv.data_ptr(), kt.data_ptr(), kt.shape[1], start, qkv.element_size())
+                                       kv.data_ptr(), kt.data_ptr(), kt.shape[1], slots.data_ptr(), qkv.element_size())
 
 
 def attend(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, n_heads: int, n_kv: int, spans: torch.Tensor,

@@ -575,7 +575,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
             for (int d = 0; d < D; d++)                                                                            \
                 x[d] = STORE(y[d]);                                                                                \
         }                                                                                                          \
-        long slot = start + t;                                                                                     \
+        long slot = (long)slots[t];                                                                                \
         memcpy((T_ *)kv + slot * 2 * Hkv * D, row + (long)H * D, sizeof(T_) * 2 * Hkv * D);                        \
         for (int h = 0; h < Hkv; h++) {                                                                            \
             T_ *dst = (T_ *)kt + ((long)h * tiles + slot / BLOCK) * D * BLOCK + slot % BLOCK;                      \
@@ -587,12 +587,13 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 /* RoPE (Su et al. 2021) on the query and key heads of qkv [T, H + 2 Hkv, D], in place: x cos + rotate_half(x) sin,
    rotate_half being a roll by D / 2 with its sign folded into sin (cos, sin: f32 [T, D], the rows of the tables of
-   models/transformer.py's Rope at the T positions); then the T rows' keys and values stored at slots start ..
-   start + T - 1 of one layer's cache kv [S, 2 Hkv, D], and the keys in its tiles kt [Hkv, tiles, D, 32]. One call
+   models/transformer.py's Rope at the T positions); then row t's key and value stored at slot slots[t] of one
+   layer's cache kv [S, 2 Hkv, D] (rows of several sequences go to their own slots), and the key in its tiles
+   kt [Hkv, tiles, D, 32]. One call
    instead of the handful of small PyTorch ops a decode step would spend on it per layer. Each row is computed on
    its own, so batch invariance is kept. esize: bytes per element (2: bf16, 4: f32). */
 void specdec_rope_store(void *qkv, int T, int H, int Hkv, int D, const float *cos, const float *sin, void *kv,
-                        void *kt, long tiles, long start, int esize) {
+                        void *kt, long tiles, const int64_t *slots, int esize) {
     if (esize == 2) {
         ROPE_STORE(uint16_t, bf16_to_f32, f32_to_bf16)
     } else {

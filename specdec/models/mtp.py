@@ -112,7 +112,7 @@ class MTPModule:
             causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
             full = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device), causal], dim=1)  # [T, L]
             plan = AttentionPlan("masked", full, full)
-        x = self.block(x, rope, cache.kv[0], cache.k_all[0], cache.v_all[0], start, plan, None)
+        x = self.block(x, rope, cache.layer(0), start, plan, None)
         cache.length = L
         h_next = rms_norm(x, self.norm, self.eps)  # [1, T, dim]
         return self.head(h_next[:, -1:] if last_only else h_next).float(), h_next

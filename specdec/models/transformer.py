@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from ..cache import KVCache
+from ..cache import KVCache, KVPool, LayerCache
 from ..config import ModelArgs, ModelError
 from ..quant import make_linear
 from ..spec.tree import paths as tree_paths
@@ -113,10 +113,12 @@ class AttentionPlan:
       attention kernels are not batch-invariant, so results differ from decode steps in the last bits.
     """
 
-    def __init__(self, kind: str, full=None, sliding=None, paths: list[torch.Tensor] | None = None):
+    def __init__(self, kind: str, full=None, sliding=None, paths: list[torch.Tensor] | None = None,
+                 slots: torch.Tensor | None = None):
         # full / sliding: [T, L] masks ("masked"), or kernels.row_spans() ("kernel"), for full-attention and
-        # sliding-window layers
-        self.kind, self.full, self.sliding, self.paths = kind, full, sliding, paths
+        # sliding-window layers; slots: int64 [T] the absolute pool slot each row's key and value go to ("kernel",
+        # whose rows may belong to several sequences)
+        self.kind, self.full, self.sliding, self.paths, self.slots = kind, full, sliding, paths, slots
 
 
 class Block:
@@ -162,11 +164,13 @@ class Block:
                                   src.raw(prefix + "attn_k_norm").expand(a.n_kv_heads, -1)]
                                  ).to(device, dtype) if a.qk_norm else None
 
-    def attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, end: int, mask: torch.Tensor | None,
-               window: int | None) -> torch.Tensor:
-        """Scaled dot-product attention of q [B, H, T, D] over cache slots [first, end), GQA without copies."""
+    def attend(self, q: torch.Tensor, c: LayerCache, end: int, mask: torch.Tensor | None, window: int | None
+               ) -> torch.Tensor:
+        """Scaled dot-product attention of q [B, H, T, D] over the sequence's slots [first, end), GQA without
+        copies."""
         first = max(0, end - window) if window else 0
-        return F.scaled_dot_product_attention(q, k_all[:, :, first:end], v_all[:, :, first:end], attn_mask=mask,
+        return F.scaled_dot_product_attention(q, c.k_all[:, :, c.base + first:c.base + end],
+                                              c.v_all[:, :, c.base + first:c.base + end], attn_mask=mask,
                                               scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -174,16 +178,15 @@ class Block:
         linears = [t for lin in (self.wqkv, self.wo, self.w13, self.w2) for t in lin.tensors()]
         return linears + norms + ([self.qk_norm] if self.qk_norm is not None else [])
 
-    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
-                 k_all: torch.Tensor, v_all: torch.Tensor, start: int, plan: AttentionPlan,
-                 window: int | None, kt: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], c: LayerCache, start: int,
+                 plan: AttentionPlan, window: int | None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim].
 
         rope: cos, sin: Rope.rows() [T, D] for the "kernel" plan, else Rope.tables() [1, T, H + 2 Hkv, D];
-        kv [B, S, 2 Hkv, D] this layer's cache, written at slots
-        [start, start+T); k_all / v_all [B, Hkv, S, D] views of it; plan: how the T queries attend (see
-        AttentionPlan); window: sliding-window size of this layer, or None; kt [Hkv, tiles, D, 32] this layer's keys
-        in the attention kernel's tiles, when the cache keeps them (KVCache.kt)."""
+        c: this layer's cache (cache.LayerCache); start: the sequence's cached tokens before these T (the SDPA
+        plans write slots [start, start + T) of its slot; the "kernel" plan writes plan.slots, rows of several
+        sequences possibly); plan: how the T queries attend (see AttentionPlan); window: sliding-window size of
+        this layer, or None."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         qkv = self.wqkv.apply(x, norm=self.attn_norm).view(B, T, H + 2 * Hkv, D)
@@ -191,10 +194,10 @@ class Block:
             qk = rms_norm(qkv[:, :, :H + Hkv], None, self.eps) * self.qk_norm
             qkv = torch.cat([qk, qkv[:, :, H + Hkv:]], dim=2)
         if plan.kind == "kernel":  # RoPE, the cache writes and attention in two calls
-            kernels.rope_store(qkv, kv, kt, *rope, start, H, Hkv)
-            o = kernels.attend(qkv, kv, kt, H, Hkv, *(plan.sliding if window else plan.full), self.scale)
+            kernels.rope_store(qkv, c.kv, c.kt, *rope, plan.slots, H, Hkv)
+            o = kernels.attend(qkv, c.kv, c.kt, H, Hkv, *(plan.sliding if window else plan.full), self.scale)
         else:
-            o = self.attend_torch(qkv, rope, kv, k_all, v_all, start, plan, window, kt)
+            o = self.attend_torch(qkv, rope, c, start, plan, window)
             o = o.transpose(1, 2).reshape(B, T, H * D)
         if self.sandwich:  # Gemma: the norm comes between the projection and the residual add
             x = x + self.post_attention_norm(self.wo(o))
@@ -208,35 +211,34 @@ class Block:
             return x + self.post_ffw_norm(self.w2(h))
         return self.w2.apply(h, residual=x)
 
-    def attend_torch(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
-                     k_all: torch.Tensor, v_all: torch.Tensor, start: int, plan: AttentionPlan, window: int | None,
-                     kt: torch.Tensor | None) -> torch.Tensor:
+    def attend_torch(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], c: LayerCache, start: int,
+                     plan: AttentionPlan, window: int | None) -> torch.Tensor:
         """RoPE, cache writes and attention in PyTorch ops (every plan but "kernel") -> [B, H, T, D]."""
         H, T = self.n_heads, qkv.shape[1]
         L = start + T
+        b = c.base
         qkv = apply_rope(qkv, *rope)
         new_kv = qkv[:, :, H:]  # [B, T, 2 Hkv, D]
-        kv[:, start:L] = new_kv
-        if kt is not None:
-            kernels.store_keys(kv, kt, start, L)
+        c.kv[:, b + start:b + L] = new_kv
+        if c.kt is not None:
+            kernels.store_keys(c.kv, c.kt, b + start, b + L)
         q = qkv[:, :, :H].transpose(1, 2)  # [B, H, T, D]
         if plan.kind == "masked":
             mask = plan.sliding if window else plan.full
-            return self.attend(q, k_all, v_all, L, mask, None)
+            return self.attend(q, c, L, mask, None)
         if plan.kind == "rows":
-            return torch.cat([self.attend(q[:, :, i:i + 1], k_all, v_all, start + i + 1, None, window)
-                              for i in range(T)], dim=2)
+            return torch.cat([self.attend(q[:, :, i:i + 1], c, start + i + 1, None, window) for i in range(T)], dim=2)
         if plan.kind == "paths":
             outs = []
             for i, path in enumerate(plan.paths):
                 # lay this node's root-to-node path into consecutive slots: exactly the cache a decode step of
                 # this token would see after the path had been accepted
-                kv[:, start:start + len(path)] = new_kv[:, path]
-                outs.append(self.attend(q[:, :, i:i + 1], k_all, v_all, start + len(path), None, window))
-            kv[:, start:L] = new_kv  # node order again, for cache.keep() after verification
+                c.kv[:, b + start:b + start + len(path)] = new_kv[:, path]
+                outs.append(self.attend(q[:, :, i:i + 1], c, start + len(path), None, window))
+            c.kv[:, b + start:b + L] = new_kv  # node order again, for cache.keep() after verification
             return torch.cat(outs, dim=2)
         # a single new token sees every earlier slot
-        return self.attend(q, k_all, v_all, L, None, window)
+        return self.attend(q, c, L, None, window)
 
 
 class Transformer:
@@ -283,12 +285,17 @@ class Transformer:
             self.rope_local = Rope(rope_inv_freq(args.head_dim, args.rope_local_theta, None), self.max_len, dtype, dev)
         self.embed_scale = torch.tensor(args.embed_scale, dtype=dtype, device=dev)
         self.kernel = kernels.kernel_supports(dtype, dev, args.head_dim)
-        self.slot_ids = torch.arange(self.max_len)  # cache slot numbers, sliced for the kernel's per-row slot lists
 
-    def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
+    def new_cache(self, max_len: int | None = None) -> KVCache:
         a = self.args
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len or self.max_len, self.dtype, self.device, batch,
-                       transposed_keys=self.kernel and batch == 1)
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len or self.max_len, self.dtype, self.device,
+                       transposed_keys=self.kernel)
+
+    def new_pool(self, n_slots: int, max_len: int | None = None) -> KVPool:
+        """A cache pool for up to n_slots sequences decoded together (engine.Engine)."""
+        a = self.args
+        return KVPool(a.n_layers, a.n_kv_heads, a.head_dim, max_len or self.max_len, n_slots, self.dtype,
+                      self.device, transposed_keys=self.kernel)
 
     @property
     def weight_format(self) -> str:
@@ -307,18 +314,27 @@ class Transformer:
         tensors = [t for layer in self.layers for t in layer.tensors()] + self.output.tensors() + [self.output_norm]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @staticmethod
+    def row_tails(cache: KVCache, start: int, T: int, parents: list[int] | None) -> list[tuple[int, int, list[int]]]:
+        """kernels.row_spans() rows for T new tokens of one sequence after `start` cached ones: a chain (row i ends
+        with slots start..start+i) or a tree (the root, then each node's root-to-node path of rows)."""
+        b = cache.base + start
+        if parents is None:
+            return [(cache.base, start, list(range(b, b + i + 1))) for i in range(T)]
+        return [(cache.base, start, [b + r for r in p]) for p in [[0]] + tree_paths(parents)]
+
+    def kernel_plan(self, rows: list[tuple[int, int, list[int]]], slots: list[int]) -> AttentionPlan:
+        """The "kernel" plan for rows (row_tails() of one or several sequences) writing at absolute `slots`."""
+        full = kernels.row_spans(rows, None)
+        window = self.args.sliding_window
+        sliding = kernels.row_spans(rows, window) if window else full
+        return AttentionPlan("kernel", full, sliding, slots=torch.tensor(slots, dtype=torch.int64))
+
     def _plan(self, positions: torch.Tensor, cache: KVCache, start: int, T: int, parents: list[int] | None,
               exact: bool) -> AttentionPlan:
         if (T == 1 or exact) and cache.kt is not None:
-            ids = self.slot_ids
-            if parents is None:  # a chain (or one token): row i ends with slots start..start+i
-                tails = [ids[start:start + i + 1] for i in range(T)]
-            else:  # a tree: the root, then each node's root-to-node path of rows
-                tails = [start + torch.tensor(p) for p in [[0]] + tree_paths(parents)]
-            full = kernels.row_spans(start, tails, None)
-            window = self.args.sliding_window
-            sliding = kernels.row_spans(start, tails, window) if window else full
-            return AttentionPlan("kernel", full, sliding)
+            b = cache.base + start
+            return self.kernel_plan(self.row_tails(cache, start, T, parents), list(range(b, b + T)))
         if T == 1:
             return AttentionPlan("single")
         if exact and parents is None:
@@ -334,6 +350,60 @@ class Transformer:
             return AttentionPlan("masked", full, full)
         sliding = full & ((positions[:, None] - cache.pos[None, :start + T]) < window)
         return AttentionPlan("masked", full, sliding)
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, plan: AttentionPlan,
+                last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedded rows x [1, T, dim] through every layer, the final norm and the head -> (logits [1, T', V]
+        float32, hidden [1, T, dim]); last: the rows whose logits are wanted (all when None)."""
+        a = self.args
+        if plan.kind == "kernel":  # rows of the tables, for kernels.rope_store()
+            rope = self.rope.rows(positions)
+            rope_local = rope if self.rope_local is self.rope else self.rope_local.rows(positions)
+        else:  # whole [1, T, H + 2 Hkv, D] tables, for apply_rope()
+            rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
+            rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(
+                positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
+        for i, layer in enumerate(self.layers):
+            c = cache.layer(i)
+            x = layer(x, rope_local if layer.sliding else rope, c, start, plan,
+                      a.sliding_window if layer.sliding else None)
+        h = rms_norm(x, self.output_norm, a.norm_eps)
+        logits = self.output(h if last is None else h[:, last]).float()
+        if self.args.final_logit_softcap:
+            cap = self.args.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        # the hidden state MTP modules read: after the final norm, except MiMo's, which reads the residual stream
+        # before it (see models/mtp.py)
+        return logits, (x if a.mtp_layout == "mimo" else h)
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed.rows(tokens).to(self.dtype)
+        return x * self.embed_scale if self.args.embed_scale != 1.0 else x
+
+    def forward_batch(self, items: list[tuple[KVCache, list[int], list[int], list[int] | None]]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the rows of several sequences (continuous batching), every row computed exactly as a
+        decode step of that sequence alone would compute it (the "kernel" plan: batch-invariant matmuls and
+        attention, each row over its own sequence's slots). items: (cache, tokens, positions, parents or None)
+        per sequence, their caches slots of one pool; each cache advances by its rows.
+        -> (logits [T, V] float32, hidden [T, dim]), rows in item order."""
+        rows, slots, toks, pos = [], [], [], []
+        for cache, tokens, positions, parents in items:
+            if cache.kt is None:
+                raise ValueError("batched forwards need the attention kernel: decode each sequence alone")
+            start = cache.reserve(len(tokens))
+            rows += self.row_tails(cache, start, len(tokens), parents)
+            slots += range(cache.base + start, cache.base + start + len(tokens))
+            toks += tokens
+            pos += positions
+        positions = torch.tensor(pos, device=self.device)
+        for cache, tokens, positions_i, _ in items:
+            cache.pos[cache.length:cache.length + len(tokens)] = torch.tensor(positions_i)
+            cache.length += len(tokens)
+        plan = self.kernel_plan(rows, slots)
+        x = self.embed_rows(torch.tensor([toks], device=self.device))
+        logits, hidden = self._layers(x, positions, items[0][0], 0, plan)
+        return logits[0], hidden[0]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                  parents: list[int] | None = None, last_only: bool = False,
@@ -355,31 +425,22 @@ class Transformer:
         start = cache.reserve(T)
         L = start + T
         cache.pos[start:L] = positions
-        x = self.embed.rows(tokens).to(self.dtype)
-        if self.args.embed_scale != 1.0:
-            x = x * self.embed_scale
         plan = self._plan(positions, cache, start, T, parents, exact)
-        a = self.args
-        if plan.kind == "kernel":  # rows of the tables, for kernels.rope_store()
-            rope = self.rope.rows(positions)
-            rope_local = rope if self.rope_local is self.rope else self.rope_local.rows(positions)
-        else:  # whole [1, T, H + 2 Hkv, D] tables, for apply_rope()
-            rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
-            rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(
-                positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
-        for i, layer in enumerate(self.layers):
-            kv, k_all, v_all = cache.kv[i], cache.k_all[i], cache.v_all[i]
-            kt = cache.kt[i] if cache.kt is not None else None
-            if layer.sliding:
-                x = layer(x, rope_local, kv, k_all, v_all, start, plan, a.sliding_window, kt)
-            else:
-                x = layer(x, rope, kv, k_all, v_all, start, plan, None, kt)
+        logits, hidden = self._layers(self.embed_rows(tokens), positions, cache, start, plan,
+                                      torch.tensor([T - 1]) if last_only else None)
         cache.length = L
-        h = rms_norm(x, self.output_norm, a.norm_eps)
-        logits = self.output(h[:, -1:] if last_only else h).float()
-        if self.args.final_logit_softcap:
-            cap = self.args.final_logit_softcap
-            logits = torch.tanh(logits / cap) * cap
-        # the hidden state MTP modules read: after the final norm, except MiMo's, which reads the residual stream
-        # before it (see models/mtp.py)
-        return logits, (x if a.mtp_layout == "mimo" else h)
+        return logits, hidden
+
+    def prefill(self, tokens: list[int], cache: KVCache, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run a prompt through the model after cache.length cached tokens, in chunks of `chunk` (a sequence's
+        chunks depend only on its own tokens, so its prefill is the same whatever else is decoding)
+        -> (logits of the last position [V], hidden states [n, dim])."""
+        hiddens = []
+        logits = None
+        for s in range(0, len(tokens), chunk):
+            part = tokens[s:s + chunk]
+            ids = torch.tensor([part], device=self.device)
+            pos = torch.arange(cache.length, cache.length + len(part), device=self.device)
+            logits, h = self(ids, pos, cache, last_only=True)
+            hiddens.append(h[0])
+        return logits[0, -1], torch.cat(hiddens)

@@ -5,15 +5,14 @@ from __future__ import annotations
 from ..config import ModelError
 from ..sampling import SamplingParams, make_generator
 from .base import Draft, Proposer
-
-SPEC_KINDS = ("none", "draft", "ngram", "mtp")
+from .config import SPEC_KINDS, SpecConfig
 
 
 def resolve_mtp(target, heads: str | None = None, kind: str | None = None):
     """(kind, drafter, vocab_map, source) of the MTP drafter for `target`: a heads file if given, else the model's
     own MTP modules, else heads shipped with specdec for exactly these weights (of `kind` sequential / parallel
     when given); None when there is nothing."""
-    from ..train.heads_file import find_heads, load_heads
+    from ..weights.heads import find_heads, load_heads
 
     if heads:
         kind, drafter, vocab_map = load_heads(heads, target)
@@ -27,37 +26,38 @@ def resolve_mtp(target, heads: str | None = None, kind: str | None = None):
     return None
 
 
-def build_proposer(kind: str, target, params: SamplingParams, draft=None, p_min: float = 0.0, ngram_min: int = 2,
-                   ngram_max: int = 4, mtp=None, tree: list[int] | None = None) -> Proposer | None:
-    """The proposer for --spec KIND. `target` / `draft` are loader.Loaded models (draft only for kind "draft");
-    mtp: resolve_mtp()'s result (for kind "mtp"); tree: branching per depth for MTP tree drafts."""
-    if kind == "none":
+def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None, mtp=None) -> Proposer | None:
+    """The proposer spec.kind asks for (one per sequence: proposers keep per-sequence state). `target` / `draft` are
+    loader.Loaded models (draft only for kind "draft"); mtp: resolve_mtp()'s result (kind "mtp"; resolved from
+    spec.heads when None)."""
+    if spec.kind == "none":
         return None
     seed = None if params.seed is None else params.seed + 1
-    if kind == "ngram":
+    if spec.kind == "ngram":
         from .ngram import NgramProposer
 
-        return NgramProposer(ngram_min, ngram_max)
-    if kind == "draft":
+        return NgramProposer(spec.ngram_min, spec.ngram_max)
+    if spec.kind == "draft":
         from .draft_model import DraftModelProposer, check_vocab
 
         if draft is None:
             raise ModelError("--spec draft needs a draft model: give -md DRAFT")
         check_vocab(target.tokenizer, draft.tokenizer)
         gen = make_generator(seed, draft.model.device) if not params.greedy else None
-        return DraftModelProposer(draft.model, params, target.model.args.vocab_size, p_min, gen)
-    if kind == "mtp":
+        return DraftModelProposer(draft.model, params, target.model.args.vocab_size, spec.draft_p_min, gen)
+    if spec.kind == "mtp":
         from .mtp import ParallelMTP, SequentialMTP
 
-        mtp = mtp or resolve_mtp(target)
+        mtp = mtp or resolve_mtp(target, spec.heads)
         if mtp is None:
             raise ModelError("this model has no MTP modules and specdec ships no heads for it: train some with "
                              "`specdec train-mtp -m MODEL -o heads.safetensors` and pass --heads")
         heads_kind, drafter, vocab_map = mtp[:3]
         gen = make_generator(seed, target.model.device) if not params.greedy else None
         cls = SequentialMTP if heads_kind == "sequential" else ParallelMTP
-        return cls(drafter, params, target.model.args.vocab_size, tree, gen, vocab_map)
-    raise ModelError(f"unknown --spec '{kind}': use {', '.join(SPEC_KINDS)}")
+        return cls(drafter, params, target.model.args.vocab_size, list(spec.tree) if spec.tree else None, gen,
+                   vocab_map)
+    raise ModelError(f"unknown --spec '{spec.kind}': use {', '.join(SPEC_KINDS)}")
 
 
-__all__ = ["Draft", "Proposer", "SPEC_KINDS", "build_proposer", "resolve_mtp"]
+__all__ = ["Draft", "Proposer", "SPEC_KINDS", "SpecConfig", "build_proposer", "resolve_mtp"]

@@ -25,7 +25,7 @@ draft token x is accepted with probability p(x), and the emitted token equals x 
 
 from __future__ import annotations
 
-from .costmodel import best_k
+from .costmodel import best_k, interpolate
 
 
 class FixedDraftLength:
@@ -78,24 +78,8 @@ class AutoDraftLength:
         return [(a + 2.0 * pooled) / (s + 2.0) for a, s, pooled in zip(acc, seen, out, strict=True)]
 
     def forward_s(self, t: int) -> float | None:
-        """Seconds of a target forward over t tokens: measured, else interpolated / extrapolated linearly from the
-        two nearest measured T (with only one measured T, a prior slope of 25% of it per extra token)."""
-        v = self.verify_s
-        if not v:
-            return None
-        if t in v:
-            return v[t]
-        ts = sorted(v)
-        if len(ts) == 1:
-            return v[ts[0]] * (1.0 + 0.25 * (t - ts[0]))
-        lo = max([x for x in ts if x < t], default=None)
-        hi = min([x for x in ts if x > t], default=None)
-        if lo is None:
-            lo, hi = ts[0], ts[1]
-        elif hi is None:
-            lo, hi = ts[-2], ts[-1]
-        slope = (v[hi] - v[lo]) / (hi - lo)
-        return max(v[lo] + slope * (t - lo), 1e-9)
+        """Seconds of a target forward over t tokens: measured, else interpolated (costmodel.interpolate)."""
+        return interpolate(self.verify_s, t)
 
     def verify_cost(self, t: int) -> float:
         """v(T) / v(1); before any measurement the prior 1 + 0.25 (T - 1) (MACHINE-FACTS: ~1.2-1.6x for T = 2-4 on a

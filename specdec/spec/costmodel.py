@@ -47,3 +47,27 @@ def best_k(acceptance: Sequence[float], draft_cost: float, verify_cost: Callable
         if s > best[1]:
             best = (k, s)
     return best
+
+
+def interpolate(costs: dict[int, float], t: int, prior_slope: float = 0.25) -> float | None:
+    """Seconds of a target forward over t tokens from the measured seconds per T (`costs`): linear between the two
+    nearest measured T, extrapolated with the slope of the nearest segment outside them (never decreasing with T
+    beyond the largest); with one measured T, a prior slope of `prior_slope` of it per extra token; None when
+    nothing was measured. Used by `--draft-max auto` (spec/autok.py) and `specdec roofline` alike."""
+    if not costs:
+        return None
+    if t in costs:
+        return costs[t]
+    ts = sorted(costs)
+    if len(ts) == 1:
+        return costs[ts[0]] * (1.0 + prior_slope * (t - ts[0]))
+    lo = max((x for x in ts if x < t), default=None)
+    hi = min((x for x in ts if x > t), default=None)
+    if lo is None:
+        lo, hi = ts[0], ts[1]
+    elif hi is None:
+        lo, hi = ts[-2], ts[-1]
+    slope = (costs[hi] - costs[lo]) / (hi - lo)
+    if t > ts[-1]:
+        slope = max(slope, 0.0)
+    return max(costs[lo] + slope * (t - lo), 1e-9)

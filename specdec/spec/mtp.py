@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import lazy_zeros
 from ..sampling import SamplingParams, probs_from_logits, sample
 from .base import Draft
 
@@ -102,7 +103,8 @@ class SequentialMTP(_MTPBase):
         dim = m0.args.dim
         self.caches = [mod.new_cache() for mod in modules]
         # H[0]: the trunk's hidden states by position; H[d]: module d's outputs at real positions
-        self.H = [torch.zeros(m0.max_len + 1, dim, dtype=m0.dtype, device=m0.device) for _ in range(len(modules) + 1)]
+        # allocated lazily (memory taken as positions are written): a server or a batch makes one per sequence
+        self.H = [lazy_zeros((m0.max_len + 1, dim), m0.dtype, m0.device) for _ in range(len(modules) + 1)]
         self.n = [0] * (len(modules) + 1)  # positions available in H[d] (and in module d's cache, for d >= 1)
         self.first: torch.Tensor | None = None  # module 1's logits at the last position: the first draft token
 

@@ -181,31 +181,20 @@ def _bar(total: int, desc: str, initial: int = 0):
 
 
 def sample_answers(model, prompt: list[int], n: int, max_new: int, params, eog: set[int]) -> list[list[int]]:
-    """n sampled answers to one prompt, decoded together as a batch of n (they advance in lockstep, so one forward
-    per step serves all of them: ~4x the throughput of one stream on a 2-core CPU). Each stops at its first EOS."""
-    from ..generate import prefill
-    from ..sampling import make_generator, probs_from_logits, sample
+    """n sampled answers to one prompt (sample j seeded with params.seed + j), decoded together by the batched
+    engine (one forward per step serves all of them). Each stops at its first EOS, which it keeps."""
+    from dataclasses import replace
 
-    g = make_generator(params.seed, model.device)
-    with torch.inference_mode():
-        one = model.new_cache(len(prompt) + max_new + 1)
-        logits, _ = prefill(model, prompt, one)
-        cache = model.new_cache(len(prompt) + max_new + 1, batch=n)
-        cache.kv[:, :, :one.length] = one.kv[:, :, :one.length]
-        cache.pos, cache.length = one.pos, one.length
-        tok = sample(probs_from_logits(logits.expand(n, -1), params), g)  # [n]
-        out = [tok]
-        for _ in range(max_new - 1):
-            p = cache.length
-            lg, _ = model(tok[:, None], torch.tensor([p], device=model.device), cache)
-            tok = sample(probs_from_logits(lg[:, -1], params), g)
-            out.append(tok)
-    rows = torch.stack(out, dim=1).tolist()
-    answers = []
-    for r in rows:
-        end = next((i + 1 for i, t in enumerate(r) if t in eog), len(r))
-        answers.append(r[:end])
-    return answers
+    from ..engine import Engine, Sequence
+
+    engine = Engine(model, max_batch=n + 1, max_len=len(prompt) + max_new + 1)
+    base = params.seed if params.seed is not None else 0
+    prefix = engine.prefill_prefix(list(prompt))  # the prompt once, copied into each sample's slot
+    seqs = [engine.add(Sequence(list(prompt), replace(params, seed=base + j), max_new, eog=frozenset(eog)), prefix)
+            for j in range(n)]
+    engine.release_prefix(prefix)
+    engine.run(seqs)
+    return [s.out for s in seqs]
 
 
 def generate_data(target, prompts: list[str], cfg: TrainConfig, work: Path) -> list[list[int]]:
@@ -233,7 +222,6 @@ def generate_data(target, prompts: list[str], cfg: TrainConfig, work: Path) -> l
 
 def hidden_states(target, seqs: list[list[int]], work: Path) -> list[torch.Tensor]:
     """Stage 2: the trunk's final hidden state at every position of every sequence (bf16, cached)."""
-    from ..generate import prefill
 
     path = work / "hidden.pt"
     if path.exists():
@@ -244,7 +232,7 @@ def hidden_states(target, seqs: list[list[int]], work: Path) -> list[torch.Tenso
     with torch.inference_mode(), _bar(len(seqs), "target hidden states") as bar:
         for s in seqs:
             cache = target.model.new_cache(len(s) + 1)
-            _, h = prefill(target.model, s, cache)
+            _, h = target.model.prefill(s, cache)
             hs.append(h.to(torch.bfloat16).clone())
             bar.update(1)
     torch.save(hs, path)
@@ -270,7 +258,7 @@ def _atomic_write(path: Path, text: str) -> None:
 def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None = None) -> dict:
     """Run every stage and write the heads file to `out`; returns the training summary."""
     from ..models.transformer import Rope, rope_inv_freq
-    from .heads_file import base_fingerprint, save_heads
+    from ..weights.heads import base_fingerprint, save_heads
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)

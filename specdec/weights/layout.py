@@ -29,6 +29,7 @@ import os
 import struct
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -203,3 +204,30 @@ def layout_settings(dtype: str, quant: str, device: torch.device) -> dict:
 def cache_enabled() -> bool:
     return os.environ.get("SPECDEC_LAYOUT_CACHE", "1") != "0"
 
+
+
+def prune(root: Path, keep: Path | None = None) -> int:
+    """Remove entries whose model file is gone (their headers name it), so the cache does not outgrow the models
+    people still have; returns how many were removed. Unreadable entries are removed too."""
+    removed = 0
+    for entry in (root / "layouts").glob("*.safetensors"):
+        if keep is not None and entry == keep:
+            continue
+        try:
+            with open(entry, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                meta = json.loads(f.read(min(n, 1 << 28)))["__metadata__"]
+            source = json.loads(meta["specdec_layout"])["identity"]["path"]
+            gone = not Path(source).exists()
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            gone = True
+        if gone:
+            entry.unlink(missing_ok=True)
+            removed += 1
+    for tmp in (root / "layouts").glob("*.tmp"):  # left by a load that was killed mid-write, over an hour ago
+        try:
+            if tmp.stat().st_mtime < time.time() - 3600:
+                tmp.unlink()
+        except OSError:
+            pass
+    return removed

@@ -27,7 +27,7 @@ def _weights_files(path: Path) -> list[Path]:
 
 def file_sha256(path: Path) -> str:
     """SHA-256 of a model's weights file(s), cached under ~/.cache/specdec by (path, size, mtime)."""
-    from ..tokenizer import cache_dir
+    from ..config import cache_dir
 
     files = _weights_files(path)
     key = "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)

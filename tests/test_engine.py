@@ -1,0 +1,271 @@
+"""The batched engine (specdec/engine.py): a sequence's output is the same alone or in any batch, for every
+proposer, greedy and seeded; the cache pool reuses slots and keeps sequences apart; speculative sampling through the
+whole step is distributed as plain sampling on the real model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import CHAT_PROMPTS, chat
+from tiny_models import write_gguf
+
+from specdec.api import LLM
+from specdec.engine import Engine, Sequence
+from specdec.loader import load
+from specdec.sampling import SamplingParams, process
+from specdec.spec import SpecConfig, build_proposer, resolve_mtp
+from specdec.spec import verify as verify_mod
+
+GREEDY = SamplingParams()
+PROMPTS = CHAT_PROMPTS + [
+    "Repeat exactly, twice: the quick brown fox jumps over the lazy dog.",
+    "Summarize in one line: Paris is the capital of France. Paris is known for the Eiffel Tower.",
+    "Count from one to twelve in words.",
+    "hi",
+]
+MAX = [24, 14, 30, 9, 26, 18, 21, 12]  # different lengths: sequences leave (and others join) mid-run
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_default):
+    return smollm2_default
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    path = write_gguf("llama", tmp_path_factory.mktemp("draft") / "tiny-draft.gguf", seed=11)
+    return load(path, ctx=2048)
+
+
+SPECS = {
+    "none": SpecConfig(),
+    "ngram": SpecConfig(kind="ngram", draft_max="4"),
+    "ngram-auto": SpecConfig(kind="ngram"),
+    "draft": SpecConfig(kind="draft", draft_max="3", draft_p_min=0.0),
+    "mtp": SpecConfig(kind="mtp", draft_max="3"),
+    "mtp-tree": SpecConfig(kind="mtp", draft_max="5", tree=(2, 2)),
+}
+
+
+def run_batch(target, draft, spec: SpecConfig, batch: int, params: list[SamplingParams]) -> list[list[int]]:
+    llm = LLM.of(target, draft if spec.kind == "draft" else None, spec, max_batch=batch)
+    outs = llm.generate([chat(target.tokenizer, p) for p in PROMPTS], params, max_tokens=MAX, ignore_eos=True,
+                        progress=False)
+    return [o.tokens for o in outs]
+
+
+@pytest.fixture(scope="module")
+def solo(target, tiny_draft):
+    """Each prompt alone (batch 1), per proposer: the reference."""
+    cache = {}
+
+    def get(name: str, params: tuple[SamplingParams, ...]) -> list[list[int]]:
+        key = (name, params)
+        if key not in cache:
+            cache[key] = run_batch(target, tiny_draft, SPECS[name], 1, list(params))
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("batch", [3, 8])
+def test_greedy_output_does_not_depend_on_the_batch(target, tiny_draft, solo, name, batch, monkeypatch):
+    params = (GREEDY,) * len(PROMPTS)
+    ref = solo(name, params)
+    assert ref == solo("none", params)  # every proposer's greedy output is plain greedy output
+    sizes = []
+    real = target.model.forward_batch
+    monkeypatch.setattr(target.model, "forward_batch", lambda items: sizes.append(len(items)) or real(items))
+    assert run_batch(target, tiny_draft, SPECS[name], batch, list(params)) == ref
+    assert max(sizes) == min(batch, len(PROMPTS)) and min(sizes) < max(sizes)  # batched, with joins and leaves
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(target, tiny_draft, solo):
+    params = tuple(SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=100 + i)
+                   for i in range(len(PROMPTS)))
+    for name in ("none", "ngram", "mtp"):
+        ref = solo(name, params)
+        assert run_batch(target, tiny_draft, SPECS[name], 3, list(params)) == ref
+        assert run_batch(target, tiny_draft, SPECS[name], 8, list(params)) == ref
+    assert len({tuple(t) for t in solo("none", params)}) == len(PROMPTS)
+
+
+def test_cache_pool_reuses_slots_and_keeps_sequences_apart(target):
+    m = target.model
+    engine = Engine(m, max_batch=2)
+    a = engine.add(Sequence(chat(target.tokenizer, PROMPTS[0]), GREEDY, 12, True))
+    b = engine.add(Sequence(chat(target.tokenizer, PROMPTS[1]), GREEDY, 6, True))
+    assert engine.free_slots == 0 and {a.cache.slot, b.cache.slot} == {0, 1}
+    with pytest.raises(Exception, match="slots"):
+        engine.add(Sequence([1, 2, 3], GREEDY, 4))
+    slot_b = b.cache.slot
+    engine.run([b])
+    assert engine.free_slots == 1 and b.cache is None and a.finish is None
+    c = engine.add(Sequence(chat(target.tokenizer, PROMPTS[2]), GREEDY, 8, True))
+    assert c.cache.slot == slot_b  # the freed slot is taken again
+    # rolling one sequence back leaves the other's cache untouched
+    engine.run([a, c])
+    ref = Engine(m, max_batch=1)
+    alone = ref.add(Sequence(chat(target.tokenizer, PROMPTS[2]), GREEDY, 8, True))
+    ref.run([alone])
+    assert c.out == alone.out
+
+
+def test_prefix_start_is_the_same_as_prefilling(target):
+    engine = Engine(target.model, max_batch=3)
+    ids = chat(target.tokenizer, PROMPTS[3])
+    p = SamplingParams(temperature=0.8, seed=4)
+    own = engine.add(Sequence(ids, p, 16, True))
+    engine.run([own])
+    pfx = engine.prefill_prefix(ids)
+    forked = engine.add(Sequence(ids, p, 16, True), pfx)
+    engine.release_prefix(pfx)
+    engine.run([forked])
+    assert forked.out == own.out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# lossless sampling end to end: the first three generated tokens of a prompt, at temperature 1 (top-k 6), drawn
+# 20k times through the whole step with each proposer, against the exact plain distribution computed by the model
+
+SAMPLES = 20_000
+P1 = SamplingParams(temperature=1.0, top_k=6)
+REPEATED = "Say this three times: red green blue yellow. red green blue yellow. red green blue"
+
+
+def exact_three(model, prompt: list[int]) -> dict[tuple[int, int, int], float]:
+    """P(t1, t2, t3) under plain sampling, by enumeration over the top-6 survivors; each distribution computed as
+    decoding computes it (the prompt prefilled, then one decode step per token: the same bits)."""
+    def dist(ctx: list[int]):
+        cache = model.new_cache(len(ctx) + 1)
+        logits, _ = model.prefill(prompt, cache)
+        for i, t in enumerate(ctx[len(prompt):]):
+            lg, _ = model(torch.tensor([[t]]), torch.tensor([len(prompt) + i]), cache, exact=True)
+            logits = lg[0, -1]
+        d = process(logits, P1)
+        return [(int(i), float(p)) for i, p in zip(d.ids[0], d.probs[0], strict=True) if p > 0]
+
+    out = {}
+    with torch.inference_mode():
+        for a, pa in dist(prompt):
+            for b, pb in dist(prompt + [a]):
+                for c, pc in dist(prompt + [a, b]):
+                    out[(a, b, c)] = pa * pb * pc
+    return out
+
+
+def sample_three(target, spec: SpecConfig, draft=None, seed: int = 0, samples: int = SAMPLES
+                 ) -> dict[tuple[int, int, int], int]:
+    prompt = target.tokenizer.encode(REPEATED)
+    engine = Engine(target.model, max_batch=129, max_len=len(prompt) + 8)
+    mtp = resolve_mtp(target) if spec.kind == "mtp" else None
+    counts: dict[tuple[int, int, int], int] = {}
+    pfx = engine.prefill_prefix(prompt)
+    done = 0
+    while done < samples:
+        seqs = []
+        for j in range(min(128, samples - done)):
+            params = replace(P1, seed=seed * 1_000_003 + done + j)
+            proposer = build_proposer(spec, target, params, draft, mtp)
+            seqs.append(engine.add(Sequence(prompt, params, 3, True, proposer, spec.policy()), pfx))
+        engine.run(seqs)
+        for s in seqs:
+            counts[tuple(s.out[:3])] = counts.get(tuple(s.out[:3]), 0) + 1
+        done += len(seqs)
+    engine.release_prefix(pfx)
+    return counts
+
+
+def chi_square(counts: dict, exact: dict) -> tuple[float, int]:
+    n = sum(counts.values())
+    stat, cells, rest_e, rest_o = 0.0, 0, 0.0, 0
+    for key, p in exact.items():
+        e = p * n
+        if e >= 5:
+            stat += (counts.get(key, 0) - e) ** 2 / e
+            cells += 1
+        else:
+            rest_e += e
+            rest_o += counts.get(key, 0)
+    outside = sum(v for k, v in counts.items() if k not in exact)  # outputs plain sampling can never give
+    rest_o += outside
+    if rest_e > 0:
+        stat += (rest_o - rest_e) ** 2 / rest_e
+        cells += 1
+    return stat, cells - 1
+
+
+def limit(df: int) -> float:  # chi-square critical value at p ~ 1e-4 (Wilson-Hilferty)
+    z = 3.72
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+@pytest.fixture(scope="module")
+def exact(target):
+    return exact_three(target.model, target.tokenizer.encode(REPEATED))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ngram", "mtp", "draft"])
+def test_speculative_sampling_end_to_end_is_plain_sampling(target, tiny_draft, exact, name):
+    spec = {"ngram": SpecConfig(kind="ngram", draft_max="3", ngram_min=1), "mtp": SpecConfig(kind="mtp", draft_max="2"),
+            "draft": SpecConfig(kind="draft", draft_max="2", draft_p_min=0.0)}[name]
+    counts = sample_three(target, spec, tiny_draft if name == "draft" else None, seed=1)
+    stat, df = chi_square(counts, exact)
+    assert stat < limit(df), (stat, df)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / SAMPLES - p) for k, p in exact.items())
+    assert tv < 0.03 + 0.5 * math.sqrt(len(exact) / SAMPLES)
+
+
+@pytest.mark.slow
+def test_a_wrong_residual_fails_the_end_to_end_test(target, exact, monkeypatch):
+    """The same test with a verifier that, on rejecting a point-mass draft, samples from p itself (not from p
+    with the rejected token removed): biased toward drafted tokens, it must fail."""
+    real = verify_mod.verify_stochastic
+
+    def wrong(p, draft, generator):
+        n, tok = real(p, draft, generator)
+        if n < len(draft.tokens):  # a rejection happened: redraw from p at that row, the drafted token allowed
+            return n, int(p.sample(generator, n))
+        return n, tok
+
+    monkeypatch.setattr(verify_mod, "verify_stochastic", wrong)
+    counts = sample_three(target, SpecConfig(kind="ngram", draft_max="3", ngram_min=1), seed=2, samples=10_000)
+    stat, df = chi_square(counts, exact)
+    assert stat > 3 * limit(df), (stat, df)
+
+
+def test_without_the_attention_kernel_each_sequence_runs_alone(target, monkeypatch):
+    """No kernel (no C compiler, a GPU): every sequence gets its own exact forward (PyTorch SDPA over its own
+    slot of the pool), with the same outputs as running it alone."""
+    monkeypatch.setattr(target.model, "kernel", False)
+    params = [GREEDY] * len(PROMPTS)
+    for name in ("none", "ngram"):
+        solo = run_batch(target, None, SPECS[name], 1, params)
+        assert run_batch(target, None, SPECS[name], 3, params) == solo
+
+
+def test_logprobs_of_accepted_drafts_are_the_targets(target):
+    """A speculative run reports, for every token (drafted and accepted, or not), the target's own log-probability:
+    bitwise those of plain decoding, and the log-softmax of the model's logits."""
+    ids = chat(target.tokenizer, PROMPTS[4])
+    runs = {}
+    for name in ("none", "ngram"):
+        engine = Engine(target.model, max_batch=1)
+        spec = SPECS[name]
+        seq = engine.add(Sequence(ids, GREEDY, 20, True, build_proposer(spec, target, GREEDY), spec.policy(),
+                                  logprobs=3))
+        engine.run([seq])
+        runs[name] = seq
+    plain, spec = runs["none"], runs["ngram"]
+    assert spec.stats.accepted > 0 and spec.out == plain.out
+    assert spec.token_logprobs == plain.token_logprobs
+    lp, alts = plain.token_logprobs[0]
+    with torch.inference_mode():
+        logits, _ = target.model.prefill(ids, target.model.new_cache())
+    ref = torch.log_softmax(logits.float(), -1)
+    assert abs(lp - float(ref[plain.out[0]])) < 1e-6 and [t for t, _ in alts] == ref.topk(3).indices.tolist()
