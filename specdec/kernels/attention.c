@@ -482,14 +482,21 @@ int specdec_attend(const void *q, long q_stride, const void *kv, const void *kt,
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    /* rows in ng groups, so that the units are a multiple of the threads (balanced) when they are few */
-    int ng = 1;
+    /* rows in groups: never rows of two sequences in one (their slots are a pool slot apart, and a unit's scores
+       span every tile between its rows' keys); a single sequence's rows in ng groups, so that the units are a
+       multiple of the threads (balanced) when they are few */
     size_t nparts = (size_t)T * H * 2 * (D + 2);
     float *parts = grow(&call_buf, &call_size,
-                        sizeof(float) * nparts + sizeof(rowinfo) * T + sizeof(int) * Hkv * T);
+                        sizeof(float) * nparts + sizeof(rowinfo) * T + sizeof(int) * (Hkv + 1) * (T + 1));
     if (!parts)
         return -1;
     rowinfo *rows = (rowinfo *)(parts + nparts);
+    int *gb = (int *)(rows + T), ng = 0; /* group g holds rows gb[g] .. gb[g + 1] - 1 */
+    gb[0] = 0;
+    for (int t = 1; t < T; t++)
+        if (hi[t] != hi[t - 1]) /* a new sequence: each one's rows share the end of their cached run */
+            gb[++ng] = t;
+    gb[++ng] = T;
     for (int t = 0; t < T; t++) {
         long np = hi[t] - lo[t], nt = toff[t + 1] - toff[t], n = np + nt, c = 0;
         const int64_t *tail = tails + toff[t];
@@ -498,14 +505,18 @@ int specdec_attend(const void *q, long q_stride, const void *kv, const void *kt,
         rows[t] = (rowinfo){lo[t], n, n >= SPLIT ? n / 2 : n, np + c, tail + c};
         halves = n >= SPLIT ? 2 : halves;
     }
-    while (ng < T && (Hkv * halves * ng) % threads != 0 && Hkv * halves * ng < 2 * threads)
-        ng++;
-    int units = Hkv * halves * ng, failed = 0, *done = (int *)(rows + T); /* units done per (KV head, group) */
+    if (ng == 1) {
+        while (ng < T && (Hkv * halves * ng) % threads != 0 && Hkv * halves * ng < 2 * threads)
+            ng++;
+        for (int g = 0; g <= ng; g++)
+            gb[g] = T * g / ng;
+    }
+    int units = Hkv * halves * ng, failed = 0, *done = gb + T + 1; /* units done per (KV head, group) */
     memset(done, 0, sizeof(int) * Hkv * ng);
 #pragma omp parallel for schedule(static) if (units > 1 && threads > 1)                                            \
     num_threads(units < threads ? units : threads) reduction(| : failed)
     for (int u = 0; u < units; u++) {
-        int kvh = u / (halves * ng), half = u / ng % halves, g = u % ng, t0 = T * g / ng, t1 = T * (g + 1) / ng;
+        int kvh = u / (halves * ng), half = u / ng % halves, g = u % ng, t0 = gb[g], t1 = gb[g + 1];
         if (failed ||
             run_unit(q, q_stride, kv, kt, tiles, H, Hkv, D, rows, t0, t1, kvh, half, scale, parts, bf16)) {
             failed = 1;
