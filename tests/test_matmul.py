@@ -146,3 +146,22 @@ def test_fused_norm_swiglu_residual():
     for T in range(1, 7):
         assert torch.equal(w13.apply(x[T - 1:T], norm=norm, swiglu=True), h[T - 1:T])
         assert torch.equal(w2.apply(h[:T], residual=x[:T]), y[:T])
+
+
+@pytest.mark.skipif(kernels.matmul_lib() is None, reason="no matmul kernel on this CPU")
+def test_symmetric_int4_reads_no_zeros():
+    """Codes with every zero 0 (GGUF Q4_0) keep no zeros tensor; the kernel then uses -8 s itself: bitwise the
+    result of reading stored zeros, and rows() (embedding lookups) agree."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (64, 128), generator=g)
+    scale = torch.rand(64, 4, generator=g) * 0.01 + 0.001
+    sym = Int4Linear.from_codes(q, scale, torch.zeros(64, 4), None)
+    asym = Int4Linear.from_codes(q, scale, torch.full((64, 4), 1e-3), None)
+    assert sym.zeros is None and asym.zeros is not None
+    x = torch.randn(5, 128, generator=g).to(torch.bfloat16)
+    zeros = torch.zeros_like(asym.zeros)
+    stored = kernels.matmul(x, 4, sym.weight, sym.scales, zeros, 64)
+    assert torch.equal(sym(x), stored)
+    ids = torch.tensor([0, 17, 63])
+    ref = ((q[ids].float() - 8).reshape(3, 4, 32) * scale[ids].to(torch.bfloat16).float()[..., None]).reshape(3, 128)
+    torch.testing.assert_close(sym.rows(ids), ref)

@@ -166,7 +166,7 @@ static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_
 #if PREFETCH
         for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wg + PREFETCH + 64 * j), _MM_HINT_T0);
         _mm_prefetch((const char *)(s + (long)g * LANES + PREFETCH / 8), _MM_HINT_T0);
-        _mm_prefetch((const char *)(z + (long)g * LANES + PREFETCH / 8), _MM_HINT_T0);
+        if (z) _mm_prefetch((const char *)(z + (long)g * LANES + PREFETCH / 8), _MM_HINT_T0);
 #endif
         __m512i u[8];
         for (int j = 0; j < 4; j++) {
@@ -175,7 +175,9 @@ static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_
             u[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
         }
         __m512 sg = load_bf16x16(s + (long)g * LANES);
-        __m512 mg = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES)); /* z - 8 s */
+        /* z - 8 s; symmetric weights (GGUF Q4_0: z = 0) store no zeros, and -8 s is the same number */
+        __m512 mg = z ? _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES))
+                      : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
         for (int r = 0; r < nt; r++) {
             __m512i a = group_dot(u, qx + (long)(t0 + r) * K + (long)g * GROUP);
             long gi = (long)(t0 + r) * G + g;
@@ -215,7 +217,7 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
     for (int t0 = 0; t0 < T; t0 += rows) {
         int nt = T - t0 < rows ? T - t0 : rows;
         if (bits == 4)
-            block_int4(w + b * wblock, s + b * G * LANES, z + b * G * LANES, G, qx, d, ds, K, t0, nt,
+            block_int4(w + b * wblock, s + b * G * LANES, z ? z + b * G * LANES : NULL, G, qx, d, ds, K, t0, nt,
                        acc + t0 * LANES);
         else
             block_int8(w + b * wblock, s + b * LANES, G, qx, d, c, K, t0, nt, acc + t0 * LANES);
@@ -225,7 +227,7 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
 #endif
 
 /* y = x [T, K] W^T, W [N, K]. bits: 4 or 8. w: packed codes (see the header), s / z: bf16 scales / zeros laid out
-   [N/16, K/32, 16] (int4) or s [N] (int8, z unused). x, y and residual are bf16 when bf16 != 0, else f32.
+   [N/16, K/32, 16] (int4; z NULL: every zero is 0, symmetric weights) or s [N] (int8, z unused). x, y and residual are bf16 when bf16 != 0, else f32.
    norm: f32 [K] RMSNorm weight applied to x's rows first (eps inside the root), or NULL. swiglu: y [T, N/2] =
    silu(x Wg^T) * (x Wu^T) with Wg, Wu the first and second N/2 rows. residual: y = residual + x W^T, or NULL.
    Returns 0, -1 when out of memory, -2 when the shapes are not multiples of 16 rows / 32 inputs (32 rows with
