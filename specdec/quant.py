@@ -224,11 +224,13 @@ def make_linear(w: torch.Tensor | Callable[[], torch.Tensor], b: torch.Tensor | 
     """The linear layer for weight `w` [N, K] (or a function that makes it) under a quantization choice.
 
     "none" / "int8" / "int4" apply to every layer; "auto" keeps each tensor's precision class from the file:
-    int4 for tensors stored with at most ~5.5 bits per weight (Q4_*, Q5_*, Q2_K..Q5_K), int8 for the rest.
+    int4 for tensors stored with at most 5 bits per weight (Q4_0, Q4_1, Q4_K, Q2_K, Q3_K), int8 for the rest (Q5_*,
+    Q6_K, Q8_0, floats). A 5-bit format requantized to 4 bits loses too much: Gemma-3-270M Q4_K_M, whose layers are
+    mostly Q5_0, fell to 84% top-1 agreement with its f32 model that way (docs/results/quant-quality-gemma.json).
     codes: the file's own int4 codes (LazyWeights.codes), used as they are when the layer becomes int4 in our
     kernel's layout; lookup: the layer is (also) an embedding table, rows() will be asked."""
     if quant == "auto":
-        quant = "int4" if source_bits <= 5.6 else "int8"
+        quant = "int4" if source_bits <= 5.01 else "int8"
     if quant == "int4" and codes is not None and codes[0].device.type == "cpu" and has_int4_kernel():
         return Int4Linear.from_codes(*codes, b, lookup)
     w = w() if callable(w) else w

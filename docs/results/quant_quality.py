@@ -7,6 +7,7 @@ distribution with the f32 model's. Configurations: `--quant auto` through specde
 the same weights through PyTorch's weight-only kernels (bf16 activations), and bf16 weights.
 
     python docs/results/quant_quality.py --texts 40 --json docs/results/quant-quality.json
+    python docs/results/quant_quality.py -m gemma3-270m --texts 40 --json docs/results/quant-quality-gemma.json
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ def main() -> None:
     ap.add_argument("--data", default="../shared/data/train_prompts_seed_tasks.jsonl")
     ap.add_argument("--texts", type=int, default=40)
     ap.add_argument("--json", default=None)
+    ap.add_argument("-m", "--model", default=None, help="model (default: the embedded SmolLM2; gemma3-270m too)")
     args = ap.parse_args()
     chats = texts(args.data, args.texts)
-    ref = logprobs(load(None, dtype="f32", quant="none"), chats)
+    ref = logprobs(load(args.model, dtype="f32", quant="none"), chats)
     configs = {"auto, specdec matmul kernel (int8 activations)": ("auto", "bf16", ""),
                "auto, PyTorch weight-only kernels (bf16 activations)": ("auto", "bf16", "matmul"),
                "bf16 weights": ("none", "bf16", "")}
@@ -61,7 +63,7 @@ def main() -> None:
     for name, (quant, dtype, off) in configs.items():
         os.environ["SPECDEC_NO_KERNELS"] = off
         kernels.matmul_lib.cache_clear()
-        got = logprobs(load(None, dtype=dtype, quant=quant), chats)
+        got = logprobs(load(args.model, dtype=dtype, quant=quant), chats)
         agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(ref, got, strict=True))
         kl = sum(float((a.exp() * (a - b)).sum()) for a, b in zip(ref, got, strict=True))
         n = sum(len(a) for a in ref)
@@ -69,7 +71,8 @@ def main() -> None:
         print(f"| {name} | {agree / n:.1%} | {kl / n:.4f} | {n} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"texts": args.texts, "data": args.data, "table": table}, f, indent=1)
+            json.dump({"model": args.model or "smollm2", "texts": args.texts, "data": args.data, "table": table}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":
