@@ -58,7 +58,7 @@ class LLM:
         self.spec = spec or SpecConfig(kind="draft" if draft is not None else "none")
         self.spec.validate()
         # MTP heads are resolved (read, quantized) once and shared: each sequence gets its own drafting state
-        self.mtp = mtp or (resolve_mtp(target, self.spec.heads) if self.spec.kind == "mtp" else None)
+        self.mtp = mtp or ((resolve_mtp(target, self.spec.heads) or ()) if self.spec.kind in ("mtp", "auto") else None)
         self.engine = Engine(target.model, max_batch=max_batch)
 
     def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams] = (),

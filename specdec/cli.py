@@ -52,8 +52,9 @@ def _sampling(p: argparse.ArgumentParser) -> None:
 def _speculative(p: argparse.ArgumentParser) -> None:
     p.add_argument("-md", "--model-draft", default=None, help="draft model (GGUF or HF folder) with the target's "
                                                                "vocabulary; implies --spec draft")
-    p.add_argument("--spec", default=None, help="speculation: none, draft, ngram, mtp (default: draft when -md is "
-                                               "given, else mtp when the model has MTP heads, else none)")
+    p.add_argument("--spec", default=None, help="speculation: auto, none, draft, ngram, suffix, mtp (default: draft "
+                                               "when -md is given, else auto: each step the best of suffix lookup "
+                                               "and the model's MTP heads, or no draft)")
     p.add_argument("--heads", default=None, help="MTP heads file from `specdec train-mtp` (default: the model's own "
                                                  "MTP modules, or heads shipped with specdec for it)")
     p.add_argument("--tree", nargs="?", const="2,2", default=None, help="MTP tree drafts: top-k branching per depth, "
@@ -122,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", default=None, help="write every number to this JSON file")
     r.add_argument("--quick", action="store_true", help="small arrays, few T values and repeats (a smoke test)")
 
+    d = sub.add_parser("demo", help="the same prompts decoded plainly and with the default speculation, side by side")
+    _common(d)
+    d.add_argument("-n", "--n-predict", type=int, default=160, help="tokens per answer (default 160)")
+
     t = sub.add_parser("train-mtp", help="train MTP heads for a model by self-distillation")
     _common(t)
     t.add_argument("-o", "--output", required=True, help="heads file to write (.safetensors)")
@@ -180,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             from .bench.run import cmd_bench
 
             return cmd_bench(args)
+        if args.command == "demo":
+            return cmd_demo(args)
         if args.command == "train-mtp":
             return cmd_train_mtp(args)
         if args.command == "serve":
@@ -215,20 +222,15 @@ def load_model(args, which: str = "model"):
 
 def spec_config(args, target=None):
     """(SpecConfig, resolved MTP drafter or None) from the speculation flags. Without --spec: draft with -md, else
-    mtp when the model has MTP modules or shipped heads, else none. --draft-max may list several values (bench):
-    the first one is used here."""
+    auto (suffix lookup, plus the model's MTP modules or shipped heads when it has them, chosen step by step).
+    --draft-max may list several values (bench): the first one is used here."""
     from .spec import SpecConfig, resolve_mtp
     from .spec.config import draft_length, parse_tree
 
     mtp = None
-    kind = args.spec
-    if kind is None:
-        kind = "draft" if args.model_draft else "none"
-        if kind == "none" and target is not None:
-            mtp = resolve_mtp(target, args.heads)
-            kind = "mtp" if mtp else "none"
-    elif kind == "mtp" and target is not None:
-        mtp = resolve_mtp(target, args.heads)
+    kind = args.spec or ("draft" if args.model_draft else "auto")
+    if kind in ("mtp", "auto") and target is not None:
+        mtp = resolve_mtp(target, args.heads) or ()  # () : resolved, none there
     if kind == "draft" and not args.model_draft:
         raise ValueError("--spec draft needs a draft model: give -md DRAFT")
     values = [v.strip() for v in str(args.draft_max).split(",") if v.strip()] or ["auto"]
@@ -247,10 +249,12 @@ def format_spec_stats(s, kind: str) -> str:
         return f"speculative ({kind}): no drafts were proposed"
     per_pos = " ".join(f"{a:.0%}" for a in s.acceptance_per_position)
     other = max(0.0, s.decode_s - s.draft_s - s.verify_s)
+    sources = "; ".join(f"{name}: {d} drafts, {k} drafted, {a} accepted, {e / d:.2f} tokens per forward"
+                        for name, (d, k, a, e) in s.by_source.items()) if len(s.by_source) > 1 or kind == "auto" else ""
     return (f"speculative ({kind}): {s.drafts} drafts, {s.drafted} drafted, {s.accepted} accepted "
             f"({s.acceptance_rate:.1%}); per position {per_pos}; mean accepted length {s.mean_accepted_length:.2f} "
-            f"tokens per target forward\ntime: drafting {s.draft_s:.2f} s, verification {s.verify_s:.2f} s, "
-            f"other {other:.2f} s")
+            f"tokens per target forward{' | by source: ' + sources if sources else ''}\ntime: drafting "
+            f"{s.draft_s:.2f} s, verification {s.verify_s:.2f} s, other {other:.2f} s")
 
 
 def sampling_params(args):
@@ -374,6 +378,52 @@ def cmd_serve(args) -> int:
 
     return serve(load, host=args.host, port=args.port, parallel=args.parallel, max_queue=args.max_queue,
                  api_key=args.api_key, model=args.model)
+
+
+DEMO_PROMPTS = [
+    ("rewrite a passage given in the prompt",
+     "Rewrite the following paragraph, fixing any spelling mistakes but changing nothing else:\n\nThe lighthouse "
+     "stood on the edge of the cliff for more than a hundred years. Every night the keeper climbed the long spiral "
+     "staircase, lit the great lamp, and watched the beam sweep across the dark water. Ships passing in the night "
+     "relied on its light to avoid the rocks below. In the morning he wrote the wether, the passing ships, and the "
+     "state of the sea in a leather-bound logbook that his grandfather had started."),
+    ("an open chat question", "Explain in a few sentences why speculative decoding makes LLM inference faster."),
+]
+
+
+def cmd_demo(args) -> int:
+    """The main job of `make demo`: each prompt decoded plainly, then with the default speculation (greedy, so the
+    texts must be identical), both speeds and the speedup printed."""
+    from .generate import generate
+    from .sampling import SamplingParams
+    from .spec import SpecConfig, build_proposer, resolve_mtp
+
+    target = load_model(args)
+    tok, greedy = target.tokenizer, SamplingParams()
+    spec = SpecConfig(kind="auto")
+    mtp = resolve_mtp(target) or ()
+    print(f"specdec demo: {target.path.name}, greedy; plain decoding, then the default speculation (--spec auto: "
+          f"suffix lookup{' + the MTP heads shipped for this model' if mtp else ''}, chosen step by step)\n")
+    generate(target.model, tok, tok.encode("Hello"), greedy, max_tokens=4)  # warm-up
+    rows, same = [], True
+    for what, text in DEMO_PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": text}])
+        plain = generate(target.model, tok, ids, greedy, max_tokens=args.n_predict)
+        fast = generate(target.model, tok, ids, greedy, max_tokens=args.n_predict,
+                        proposer=build_proposer(spec, target, greedy, mtp=mtp), draft_length=spec.policy())
+        same &= plain.tokens == fast.tokens
+        print(f"### {what}\n> {text[:140]}{'...' if len(text) > 140 else ''}\n\n{fast.text.strip()}\n")
+        p, f = plain.stats.decode_tok_s, fast.stats.decode_tok_s
+        rows.append((what, p, f, fast.stats.mean_accepted_length, plain.tokens == fast.tokens))
+    print("| prompt | plain tok/s | speculative tok/s | speedup | tokens per target forward | same text |")
+    print("|---|---|---|---|---|---|")
+    for what, p, f, mal, ok in rows:
+        print(f"| {what} | {p:.1f} | {f:.1f} | {f / p:.2f}x | {mal:.2f} | {'yes' if ok else 'NO'} |")
+    print(f"\n{target.load_summary()}")
+    if not same:
+        print("error: speculative output differs from plain output", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_train_mtp(args) -> int:

@@ -226,8 +226,13 @@ class Engine:
         if proposer is None:
             return Draft(), None, 0.0
         n = s.cache.length
+        cap = min(s.cache.max_len - n - 1, s.max_tokens - len(s.out) - 1)
+        if hasattr(proposer, "plan"):  # a proposer that picks its own source and length (spec/auto.py)
+            t = time.perf_counter()
+            draft, source = proposer.plan(cap) if cap > 0 else (Draft(), None)
+            return draft, source, time.perf_counter() - t
         kind = proposer.draft_class() if hasattr(proposer, "draft_class") else None
-        k = min(policy.choose(kind), s.cache.max_len - n - 1, s.max_tokens - len(s.out) - 1)
+        k = min(policy.choose(kind), cap)
         # full-information feedback for policies that learn (spec/autok.py) from costless proposers
         watch = getattr(proposer, "costless", False) and isinstance(policy, AutoDraftLength)
         if k <= 0 and not watch:
@@ -293,7 +298,11 @@ class Engine:
             # the forward's time, shared by rows: a sequence's policy sees the cost of its own rows
             elapsed = forward_s * (1 + len(draft)) / total_rows + time.perf_counter() - t
             s.stats.verify_s += elapsed
-            s.policy.update(depth, n_acc, elapsed, draft_s, kind)
+            planned = hasattr(s.proposer, "plan")
+            if planned:
+                s.proposer.feedback(depth, n_acc, elapsed, draft_s)
+            else:
+                s.policy.update(depth, n_acc, elapsed, draft_s, kind)
             new = [draft.tokens[i] for i in path] + [token]
             emitted = []
             for tok in new:  # EOS / max_tokens inside the accepted tokens end generation right there
@@ -303,8 +312,9 @@ class Engine:
                     break
             if s.logprobs is not None:  # the target's own distributions, at the rows that produced the tokens
                 _record_logprobs(s, logits[([0] + [1 + i for i in path])[:len(emitted)]], emitted)
-            s.stats.record(len(draft), n_acc, len(emitted), depth)
-            s.policy.emitted(emitted)
+            source = kind if planned else getattr(s.proposer, "name", None)
+            s.stats.record(len(draft), n_acc, len(emitted), depth, source if len(draft) else None)
+            (s.proposer if planned else s.policy).emitted(emitted)
             if s.finish is None and s.proposer is not None:
                 t = time.perf_counter()
                 s.proposer.accept(new[:-1], token, hidden[[0] + [1 + i for i in path]])

@@ -47,11 +47,16 @@ SPECS = {
     "draft": SpecConfig(kind="draft", draft_max="3", draft_p_min=0.0),
     "mtp": SpecConfig(kind="mtp", draft_max="3"),
     "mtp-tree": SpecConfig(kind="mtp", draft_max="5", tree=(2, 2)),
+    "suffix": SpecConfig(kind="suffix"),
+    "auto": SpecConfig(kind="auto"),  # suffix lookup + the shipped MTP heads
+    "auto-tree": SpecConfig(kind="auto", tree=(2, 2)),
+    "auto-draft": SpecConfig(kind="auto", draft_p_min=0.0),  # suffix + MTP heads + a draft model
 }
 
 
-def run_batch(target, draft, spec: SpecConfig, batch: int, params: list[SamplingParams]) -> list[list[int]]:
-    llm = LLM.of(target, draft if spec.kind == "draft" else None, spec, max_batch=batch)
+def run_batch(target, draft, spec: SpecConfig, batch: int, params: list[SamplingParams], draft_too: bool = False
+              ) -> list[list[int]]:
+    llm = LLM.of(target, draft if spec.kind == "draft" or draft_too else None, spec, max_batch=batch)
     outs = llm.generate([chat(target.tokenizer, p) for p in PROMPTS], params, max_tokens=MAX, ignore_eos=True,
                         progress=False)
     return [o.tokens for o in outs]
@@ -65,7 +70,7 @@ def solo(target, tiny_draft):
     def get(name: str, params: tuple[SamplingParams, ...]) -> list[list[int]]:
         key = (name, params)
         if key not in cache:
-            cache[key] = run_batch(target, tiny_draft, SPECS[name], 1, list(params))
+            cache[key] = run_batch(target, tiny_draft, SPECS[name], 1, list(params), name.endswith("draft"))
         return cache[key]
 
     return get
@@ -80,7 +85,7 @@ def test_greedy_output_does_not_depend_on_the_batch(target, tiny_draft, solo, na
     sizes = []
     real = target.model.forward_batch
     monkeypatch.setattr(target.model, "forward_batch", lambda items: sizes.append(len(items)) or real(items))
-    assert run_batch(target, tiny_draft, SPECS[name], batch, list(params)) == ref
+    assert run_batch(target, tiny_draft, SPECS[name], batch, list(params), name.endswith("draft")) == ref
     assert max(sizes) == min(batch, len(PROMPTS)) and min(sizes) < max(sizes)  # batched, with joins and leaves
 
 

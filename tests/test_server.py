@@ -35,7 +35,7 @@ try:
 except ImportError:  # pragma: no cover
     import httpx
 
-MODES = ("none", "ngram", "mtp", "draft")
+MODES = ("none", "auto", "ngram", "suffix", "mtp", "draft")
 N = 16  # tokens per request in the equality tests
 
 
@@ -216,6 +216,18 @@ def test_greedy_speculation_equals_plain_concurrently(server, reference):
             assert body["timings"]["speculative"] == mode
             drafted[mode] += body["timings"]["draft_n"]
     assert drafted["none"] == 0 and all(drafted[m] > 0 for m in MODES[1:]), drafted
+
+
+def test_auto_drafts_from_earlier_responses(server, reference):
+    """--spec auto in the server also looks up the server's earlier responses (spec/suffix.py SuffixIndex): a
+    request answered before drafts from its earlier answer the second time, and the text stays the plain one."""
+    prompt = "Write a short story about a lighthouse keeper and a storm."
+    want = reference(prompt, 48)
+    out = [post(server, "/v1/chat/completions", chat_body(prompt, 48, speculative={"type": "auto"})).json()
+           for _ in range(2)]
+    assert [o["choices"][0]["message"]["content"] for o in out] == [want, want]
+    second = out[1]["timings"]["draft_sources"]
+    assert second.get("global", {}).get("draft_n_accepted", 0) > 10, second
 
 
 def test_logprobs_are_the_targets(server):

@@ -105,7 +105,7 @@ def cmd_bench(args) -> int:
     if args.mode:
         modes_wanted = [m.strip() for m in args.mode.split(",") if m.strip()]
     else:  # every mode that applies to this model
-        modes_wanted = ["plain", "ngram"] + (["draft"] if args.model_draft else [])
+        modes_wanted = ["plain", "auto", "ngram", "suffix"] + (["draft"] if args.model_draft else [])
         if resolve_mtp(target, args.heads, "sequential"):
             modes_wanted += ["mtp", "mtp-tree"]
         if resolve_mtp(target, None, "parallel"):
@@ -168,8 +168,13 @@ def build_modes(names: list[str], target, args) -> list[Mode]:
                 raise ValueError(f"mode {name} needs {heads_kind} MTP heads for this model (specdec train-mtp)")
             tree = parse_tree(args.tree or "2,1") if tree_mode else None
             models = f"target + {mtp[0]} heads"
-        elif name != "ngram":
-            raise ValueError(f"unknown mode '{name}': use plain, ngram, draft, {', '.join(MTP_MODES)}")
+        elif name == "auto":  # the default: suffix lookup + the model's MTP heads (+ a draft model when given)
+            mtp = resolve_mtp(target, args.heads) or ()
+            if args.model_draft:
+                draft = draft or load_model(args, "model_draft")
+            models = "target" + (f" + {mtp[0]} heads" if mtp else "") + (" + draft" if draft else "")
+        elif name not in ("ngram", "suffix"):
+            raise ValueError(f"unknown mode '{name}': use plain, auto, ngram, suffix, draft, {', '.join(MTP_MODES)}")
         for k in ks:
             label = f"{name} (K {k})" if len(ks) > 1 or k != "auto" else name
             spec = SpecConfig(kind=kind, draft_max=k, draft_min=args.draft_min, draft_p_min=args.draft_p_min,
@@ -266,7 +271,7 @@ def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: 
                              "bus": gbs / peaks["read_gb_s"] if peaks else None,
                              "compute": flops / peaks["matmul_flop_s"] if peaks else None,
                              "draft_share": per_s(st.draft_s), "verify_share": per_s(st.verify_s), "tokens": toks,
-                             "decode_s": time_s})
+                             "decode_s": time_s, "sources": _source_shares(st)})
         for pe in peers:
             times = [statistics.median(peer_times[(pe.name, i)]) for i in idx]
             time_s = sum(times) if min(times) > 0 else 0.0  # a prompt it decoded nothing of: no speed for the row
@@ -289,6 +294,13 @@ def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: 
             "prompts": [{"id": p.id, "category": p.category} for p in prompts]}
 
 
+def _source_shares(st: Stats) -> dict[str, dict]:
+    """Per drafting source: its share of the drafts and its mean accepted length (tokens per verifying forward)."""
+    total = sum(row[0] for row in st.by_source.values())
+    return {name: {"drafts": d, "share": d / total, "drafted": k, "accepted": a, "mean_accepted": e / d}
+            for name, (d, k, a, e) in st.by_source.items() if d}
+
+
 def _first_diff(a: list[int], b: list[int]) -> int:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -307,7 +319,9 @@ def print_report(report: dict) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
-        print(f"| {r['category']} | {r['mode']} | {r['models']} | {fmt(r['tok_s'], '.1f')} | "
+        src = " ".join(f"{n} {v['share']:.0%}" for n, v in (r.get("sources") or {}).items() if len(r["sources"]) > 1)
+        mode = f"{r['mode']} ({src})" if src else r["mode"]
+        print(f"| {r['category']} | {mode} | {r['models']} | {fmt(r['tok_s'], '.1f')} | "
               f"{fmt(r['speedup'], '.2f')} | {fmt(r['mean_accepted'], '.2f')} | {fmt(r['acceptance'], '.1%')} | "
               f"{fmt(r['gb_s'], '.1f')} | {fmt(r.get('bus'), '.0%')} | {fmt(r.get('compute'), '.1%')} |")
     for name, agree in report["peer_greedy_agreement"].items():

@@ -28,6 +28,7 @@ def make_backend(target, draft=None, spec=None, mtp=None, requested: str | None 
             if spec.kind == "mtp":
                 raise
             mtp = None
+        mtp = mtp or ()  # (): resolved, the model has none (never looked up again per request)
     path = Path(target.path)
     model_id = requested if requested and not Path(requested).exists() else path.name
     names = {model_id, path.name, path.stem, str(path), requested or "", "smollm2" if requested is None else ""}

@@ -27,6 +27,7 @@ import torch
 from ..engine import Engine, Sequence
 from ..generate import TextStream
 from ..spec import SpecConfig, build_proposer
+from ..spec.suffix import SuffixIndex
 from .metrics import Counted, Metrics
 from .schemas import APIError, GenRequest, SpecRequest
 
@@ -45,11 +46,14 @@ class Backend:
     mtp: tuple | None = None
     model_id: str = "model"
     names: frozenset[str] = frozenset()
+    # earlier responses, a lookup source of --spec auto requests (spec/suffix.py); None: not kept
+    index: SuffixIndex | None = field(default_factory=SuffixIndex)
 
     @property
     def spec_kinds(self) -> tuple[str, ...]:
         """Proposers a request may ask for (llama-server's per-request speculative.type)."""
-        return ("none", "ngram") + (("draft",) if self.draft is not None else ()) + (("mtp",) if self.mtp else ())
+        return ("none", "auto", "ngram", "suffix") + (("draft",) if self.draft is not None else ()) + (
+            ("mtp",) if self.mtp else ())
 
 
 @dataclass
@@ -227,7 +231,7 @@ class Scheduler:
         req, b = job.req, self.backend
         try:
             spec = self._spec_for(req.spec)
-            proposer = build_proposer(spec, b.target, req.params, b.draft, b.mtp)
+            proposer = build_proposer(spec, b.target, req.params, b.draft, b.mtp, b.index)
             seq = Sequence(list(req.prompt), req.params, req.max_tokens, req.ignore_eos, proposer, spec.policy(),
                            self.eog, logprobs=req.logprobs)
             self.engine.add(seq)
@@ -284,6 +288,8 @@ class Scheduler:
             return
         self.running.remove(job)
         self._result(job)
+        if self.backend.index is not None and reason != "abort":
+            self.backend.index.add(seq.out)
         job.done = True
         seq.proposer = None  # drop the draft state now (a draft model's cache) rather than at collection
         self.metrics.requests.labels(finished_reason=reason).inc()
@@ -301,7 +307,10 @@ class Scheduler:
             "prompt_per_token_ms": s.prefill_s * 1e3 / max(s.prompt_tokens, 1), "prompt_per_second": s.prefill_tok_s,
             "predicted_n": n, "predicted_ms": decode_ms, "predicted_per_token_ms": decode_ms / max(n - 1, 1),
             "predicted_per_second": s.decode_tok_s, "draft_n": s.drafted, "draft_n_accepted": s.accepted,
-            "speculative": job.spec_kind}
+            "speculative": job.spec_kind,
+            # --spec auto: what each source drafted (suffix: the request's own text, global: earlier responses)
+            "draft_sources": {name: {"drafts": d, "draft_n": k, "draft_n_accepted": a}
+                              for name, (d, k, a, _) in s.by_source.items()}}
 
     def _cancel(self, job: Job) -> None:
         self.engine.finish(job.seq, "cancelled")

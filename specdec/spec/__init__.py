@@ -26,10 +26,11 @@ def resolve_mtp(target, heads: str | None = None, kind: str | None = None):
     return None
 
 
-def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None, mtp=None) -> Proposer | None:
+def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None, mtp=None, index=None
+                   ) -> Proposer | None:
     """The proposer spec.kind asks for (one per sequence: proposers keep per-sequence state). `target` / `draft` are
     loader.Loaded models (draft only for kind "draft"); mtp: resolve_mtp()'s result (kind "mtp"; resolved from
-    spec.heads when None)."""
+    spec.heads when None); index: a server's spec.suffix.SuffixIndex of earlier responses (a source of "auto")."""
     if spec.kind == "none":
         return None
     seed = None if params.seed is None else params.seed + 1
@@ -37,6 +38,28 @@ def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None,
         from .ngram import NgramProposer
 
         return NgramProposer(spec.ngram_min, spec.ngram_max)
+    if spec.kind == "suffix":
+        from .suffix import SuffixProposer
+
+        return SuffixProposer()
+    if spec.kind == "auto":
+        from .auto import AutoProposer
+        from .suffix import SuffixProposer
+
+        sources: dict = {"suffix": SuffixProposer()}
+        if index is not None:
+            from .suffix import GlobalSuffixProposer
+
+            sources["global"] = GlobalSuffixProposer(index)
+        mtp = mtp if mtp is not None else resolve_mtp(target, spec.heads)
+        if mtp:
+            sources["mtp"] = build_proposer(SpecConfig(kind="mtp", tree=spec.tree), target, params, mtp=mtp)
+        if draft is not None:
+            sources["draft"] = build_proposer(SpecConfig(kind="draft", draft_p_min=spec.draft_p_min), target, params,
+                                              draft)
+        k_max = 8 if spec.draft_max == "auto" else int(spec.draft_max)
+        return AutoProposer(sources, k_max, spec.draft_min, learned=getattr(target, "model", target),
+                            regime="greedy" if params.greedy else f"temp {params.temperature:g}")
     if spec.kind == "draft":
         from .draft_model import DraftModelProposer, check_vocab
 

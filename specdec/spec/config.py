@@ -6,12 +6,14 @@ from dataclasses import dataclass
 
 from .autok import AutoDraftLength, FixedDraftLength
 
-SPEC_KINDS = ("none", "draft", "ngram", "mtp")
+SPEC_KINDS = ("none", "auto", "draft", "ngram", "suffix", "mtp")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """kind: none, draft (a draft model, -md), ngram (prompt lookup), mtp (MTP modules or heads);
+    """kind: auto (each step the best of suffix lookup, MTP heads and a draft model, spec/auto.py), none, draft (a
+    draft model, -md), ngram (prompt lookup of the last 2-4 tokens), suffix (the longest earlier match, spec/suffix.py),
+    mtp (MTP modules or heads);
     draft_max: "auto" (choose each step's K from measured acceptance and costs) or a fixed K; draft_min: drafts
     shorter than this are not verified; draft_p_min: a draft model stops when its top probability falls below
     this; ngram_min / ngram_max: n-gram sizes to look up; tree: MTP tree branching per depth (None = chains);

@@ -20,14 +20,21 @@ class Stats:
     accepted: int = 0  # drafted tokens accepted
     drafted_at: list[int] = field(default_factory=list)  # drafts that reached position i
     accepted_at: list[int] = field(default_factory=list)  # drafts whose token at position i was accepted
+    # per drafting source (--spec auto mixes them): name -> [drafts, drafted tokens, accepted tokens, tokens emitted]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
-    def record(self, k: int, n_accepted: int, emitted: int, depth: int | None = None) -> None:
-        """One target forward that verified a draft of k tokens (a chain, or a tree of k nodes and `depth` levels),
-        accepted n_accepted and emitted `emitted` tokens."""
+    def record(self, k: int, n_accepted: int, emitted: int, depth: int | None = None, source: str | None = None
+               ) -> None:
+        """One target forward that verified a draft of k tokens (a chain, or a tree of k nodes and `depth` levels)
+        made by `source`, accepted n_accepted and emitted `emitted` tokens."""
         self.forwards += 1
         self.decode_tokens += emitted
         if k == 0:
             return
+        if source is not None:
+            row = self.by_source.setdefault(source, [0, 0, 0, 0])
+            for i, v in enumerate((1, k, n_accepted, emitted)):
+                row[i] += v
         self.drafts += 1
         self.drafted += k
         self.accepted += n_accepted
@@ -72,6 +79,10 @@ class Stats:
         for name in ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "draft_s", "verify_s", "forwards",
                      "decode_tokens", "drafts", "drafted", "accepted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name, row in other.by_source.items():
+            mine = self.by_source.setdefault(name, [0, 0, 0, 0])
+            for i, v in enumerate(row):
+                mine[i] += v
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, v in enumerate(theirs):

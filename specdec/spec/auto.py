@@ -1,0 +1,126 @@
+"""`--spec auto`: one drafter that picks its source every step (the default when no draft model is given).
+
+Sources: suffix-automaton lookup over the prompt and the output (spec/suffix.py: costless), the model's MTP modules
+or the heads shipped for it, and a draft model when one is given. Each source has its own draft-length policy
+(spec/autok.py: acceptance per position and per the source's own draft class, e.g. the match length of a lookup;
+its drafting cost per token), all sharing one measured verify cost curve v(T). Every step, each source's best K and
+its predicted speedup E(K) / (K c + v(K + 1)) (Leviathan et al. 2023, with measured per-position acceptance) are
+compared, and the best source drafts, or none (K = 0) when plain decoding is predicted fastest.
+
+A costless source is asked for its whole candidate every step and scored against what is then generated
+(full-information feedback), so its estimates stay current whether or not it drafts. A costly source (MTP heads, a
+draft model) is not run while it loses: its state catches up lazily when it is next chosen, and it is probed now and
+then (with exponential backoff) so that its estimates can recover. Verification never asks which source drafted.
+
+What one generation learned (acceptance per source and class, drafting costs per token) is where the next
+generation of the same model in this process starts (`learned`: the server's requests, a benchmark's runs, a
+batch file), instead of the priors: a fresh policy drafts on a prior acceptance of 0.5 until evidence says
+otherwise, which on free text costs the first tokens of every request.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+from .autok import AutoDraftLength
+from .base import Draft, Proposer
+from .costmodel import speedup
+
+# model -> {source names -> the policies of the latest generation that began}; weak: a freed model takes its state
+_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class AutoProposer:
+    """Chooses, each step, the source and draft length with the most expected tokens per second."""
+
+    name = "auto"
+
+    def __init__(self, sources: dict[str, Proposer], k_max: int = 8, draft_min: int = 0, learned=None,
+                 regime: str = ""):
+        """learned: an object (the target model) under which what this generation learns is kept for the next
+        generation with the same sources and regime (e.g. greedy, or a sampling temperature: acceptance differs)."""
+        if not sources:
+            raise ValueError("--spec auto needs at least one source")
+        self.sources = sources
+        self.policies = {name: AutoDraftLength(k_max, draft_min) for name in sources}
+        shared: dict[int, float] = {}
+        for pol in self.policies.values():  # one measured v(T) for all sources: the same target forward
+            pol.verify_s = shared
+        self.chosen: tuple[str, int | None] | None = None
+        self.learned, self.regime = learned, regime
+
+    def _inherit(self) -> None:
+        """Start from the policies of the latest generation of the same model and sources (a deep copy: the shared
+        verify curve stays shared), with nothing of its pending bookkeeping; then become the latest."""
+        if self.learned is None:
+            return
+        key = (*self.sources, self.regime)
+        store = _LEARNED.setdefault(self.learned, {})
+        last = store.get(key)
+        if last is not None and last is not self.policies:
+            self.policies = copy.deepcopy(last)
+            shared: dict[int, float] = {}
+            for pol in self.policies.values():
+                pol.watching, pol.since_draft, pol.probing = [], 0, False
+                # costs are measured afresh: v(T) depends on the context length, and an entry for a T that is no
+                # longer drafted would never be corrected (a long prompt's v(8) kept a short one from drafting)
+                pol.verify_s = shared
+        store[key] = self.policies
+
+    def begin(self, context: list[int], hidden=None) -> None:
+        self._inherit()
+        for src in self.sources.values():
+            src.begin(context, hidden)
+
+    def accept(self, accepted: list[int], next_token: int, hidden=None) -> None:
+        for src in self.sources.values():  # every source follows the text; the costly ones only bookkeep here
+            src.accept(accepted, next_token, hidden)
+
+    def plan(self, cap: int) -> tuple[Draft, str | None]:
+        """This step's draft (at most `cap` tokens) and the name of the source that made it (None: no draft)."""
+        best: tuple[float, str | None, int, int | None, Draft | None] = (0.0, None, 0, None, None)
+        probe = None
+        for name, src in self.sources.items():
+            pol = self.policies[name]
+            cls = src.draft_class() if hasattr(src, "draft_class") else None
+            candidate = None
+            if getattr(src, "costless", False):
+                candidate = src.propose(pol.draft_max)
+                pol.watch(candidate.tokens, cls)
+            k = min(pol.choose(cls), cap)
+            if k <= 0:
+                continue
+            if pol.probing:
+                probe = probe or (name, k, cls, candidate)
+                continue
+            base = pol.forward_s(1)
+            c = pol.draft_s_per_token / base if (pol.draft_s_per_token is not None and base) else 0.0
+            s = speedup(pol.acceptance(cls)[:k], c, pol.verify_cost)
+            if s > best[0]:
+                best = (s, name, k, cls, candidate)
+        _, name, k, cls, candidate = best
+        if name is None and probe is not None:  # nothing pays: let a source that has been idle show itself
+            name, k, cls, candidate = probe
+        if name is None:
+            self.chosen = None
+            return Draft(), None
+        self.chosen = (name, cls)
+        if candidate is not None:
+            return Draft(candidate.tokens[:k]), name
+        return self.sources[name].propose(k), name
+
+    def feedback(self, depth: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
+        """The step's outcome: the chosen source's policy learns from it, the others count an idle step."""
+        chosen = self.chosen[0] if self.chosen else None
+        for name, pol in self.policies.items():
+            if name == chosen:
+                pol.update(depth, n_accepted, verify_s, draft_s, self.chosen[1])
+            elif chosen is None and name == next(iter(self.policies)):
+                pol.update(0, 0, verify_s, 0.0)  # a plain step: the shared v(1) (and this one's idle count)
+            else:
+                pol.since_draft += 1
+
+    def emitted(self, tokens: list[int]) -> None:
+        for pol in self.policies.values():
+            pol.emitted(tokens)

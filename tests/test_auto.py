@@ -1,0 +1,191 @@
+"""Suffix-automaton lookup (spec/suffix.py) against brute force, and the `--spec auto` chooser (spec/auto.py) on
+synthetic sources: K = 0 when nothing is accepted, the longest draft when everything is, and a losing costly source
+is not run (but probed now and then)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdec.spec.auto import AutoProposer
+from specdec.spec.base import Draft
+from specdec.spec.suffix import GlobalSuffixProposer, IndexMatcher, SuffixAutomaton, SuffixIndex, SuffixProposer
+
+
+def brute(tokens: list[int]) -> tuple[int, int]:
+    """(L, first end + 1): the longest suffix of `tokens` that occurs in tokens[:-1], and where its first
+    occurrence ends + 1 (the continuation's start); (0, 0) when none."""
+    m = len(tokens)
+    for L in range(m - 1, 0, -1):
+        suffix = tokens[m - L:]
+        for e in range(L - 1, m - 1):  # occurrences ending at e <= m - 2
+            if tokens[e - L + 1:e + 1] == suffix:
+                return L, e + 1
+    return 0, 0
+
+
+@pytest.mark.parametrize("seed,alphabet,n", [(0, 2, 300), (1, 3, 300), (2, 8, 300), (3, 50, 200)])
+def test_longest_match_equals_brute_force(seed, alphabet, n):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(alphabet) for _ in range(n)]
+    sam = SuffixAutomaton()
+    for i, t in enumerate(tokens):
+        sam.extend([t])
+        assert sam.match() == brute(tokens[:i + 1]), i
+
+
+@pytest.mark.parametrize("pattern", [[5], [1, 2], [1, 2, 3, 1, 2], [7, 7, 8]])
+def test_repeated_patterns_and_continuations(pattern):
+    """The worst cases for suffix structures (periodic text): matches as long as the text allows, continuations that
+    run into the text's own end, and a change of pattern midway."""
+    tokens = pattern * 40 + [9, 9] + pattern * 10
+    sam = SuffixAutomaton()
+    for i, t in enumerate(tokens):
+        sam.extend([t])
+        n, start = sam.match()
+        assert (n, start) == brute(tokens[:i + 1])
+        seen, k = tokens[:i + 1], 6
+        # the continuation of the match, copied on past the text's end as LZ77 copies (the match repeats itself)
+        want = []
+        for j in range(k if n else 0):
+            src = start + j
+            want.append(seen[src] if src < len(seen) else want[src - len(seen)])
+        assert sam.continuation(k) == want
+
+
+def test_suffix_proposer_drafts_the_continuation():
+    p = SuffixProposer()
+    text = [10, 11, 12, 13, 14, 15, 99, 10, 11, 12]
+    p.begin(text)
+    assert p.propose(3).tokens == [13, 14, 15] and p.draft_class() == 3
+    p.accept([13], 14)
+    assert p.propose(2).tokens == [15, 99] and p.draft_class() == 5
+
+
+def brute_index(responses: list[list[int]], text: list[int]) -> tuple[int, list[int]]:
+    """(L, continuation): the longest suffix of `text` occurring inside one response, and what followed its first
+    occurrence (responses in order) up to that response's end."""
+    for L in range(len(text), 0, -1):
+        suffix = text[len(text) - L:]
+        for r in responses:
+            for e in range(L, len(r) + 1):
+                if r[e - L:e] == suffix:
+                    return L, r[e:]
+    return 0, []
+
+
+@pytest.mark.parametrize("seed,alphabet", [(0, 2), (1, 4), (2, 30)])
+def test_global_index_matches_brute_force(seed, alphabet):
+    """A sequence's match against the server's index of earlier responses: the longest suffix of its text found
+    within one response (never across two), and that response's continuation, token by token."""
+    rng = random.Random(seed)
+    index = SuffixIndex(min_response=1)
+    responses = [[rng.randrange(alphabet) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+    for r in responses:
+        index.add(r)
+    text = [rng.randrange(alphabet) for _ in range(80)]
+    m = IndexMatcher(index)
+    for i, t in enumerate(text):
+        m.feed([t])
+        n, cont = brute_index(responses, text[:i + 1])
+        assert m.match_length() == n, i
+        assert m.continuation(8) == cont[:8], i
+
+
+def test_global_index_is_bounded_and_keeps_the_latest():
+    """Past its bound the index rebuilds over the most recent responses; a live matcher re-matches its tail."""
+    rng = random.Random(5)
+    index = SuffixIndex(max_tokens=400, min_response=1)
+    m = IndexMatcher(index)
+    for i in range(60):
+        r = [rng.randrange(1000) for _ in range(30)]
+        index.add(r)
+        assert len(index) <= 400
+        m.feed(r[:10])  # the start of the newest response: the matcher finds it and drafts its next tokens
+        assert m.match_length() >= 10 and m.continuation(5) == r[10:15], i
+    assert index.generation > 0 and len(index.responses) <= 400 // 31
+    index.add([1, 2])  # shorter than min_response: ignored by default
+    assert SuffixIndex().add([1, 2]) is None and len(SuffixIndex()) == 0
+
+
+def test_global_proposer_needs_a_long_enough_match():
+    index = SuffixIndex()
+    index.add(list(range(100, 140)))
+    p = GlobalSuffixProposer(index, min_match=4)
+    p.begin([1, 2, 100, 101, 102])
+    assert p.propose(4).tokens == [] and p.draft_class() == 0  # 3 tokens matched: below min_match
+    p.accept([], 103)
+    assert p.propose(4).tokens == [104, 105, 106, 107] and p.draft_class() == 4
+
+
+class Fake:
+    """A synthetic source: drafts `tokens` (costless, or not), counts how often it is run."""
+
+    def __init__(self, name: str, costless: bool, tokens: list[int]):
+        self.name, self.costless, self.tokens = name, costless, tokens
+        self.calls = 0
+
+    def begin(self, context, hidden=None):
+        pass
+
+    def propose(self, k: int) -> Draft:
+        self.calls += 1
+        return Draft(self.tokens[:k])
+
+    def accept(self, accepted, next_token, hidden=None):
+        pass
+
+
+def run(proposer: AutoProposer, steps: int, truth) -> list[int]:
+    """Drive the chooser as the engine does: truth(draft) -> the tokens the target emits this step (the accepted
+    prefix of the draft, then its own next token); a forward over T tokens costs 10 ms + 1 ms per extra token."""
+    lengths = []
+    for _ in range(steps):
+        draft, _ = proposer.plan(8)
+        out = truth(draft.tokens)
+        n = len(out) - 1
+        proposer.feedback(len(draft), n, 0.010 + 0.001 * len(draft), 0.0)
+        proposer.emitted(out)
+        lengths.append(len(draft))
+    return lengths
+
+
+def wrong(draft: list[int]) -> list[int]:
+    return [-1]  # the target never says what was drafted
+
+
+def test_chooser_drafts_nothing_when_nothing_is_accepted():
+    src = Fake("suffix", True, [1, 2, 3, 4, 5, 6, 7, 8])
+    auto = AutoProposer({"suffix": src})
+    lengths = run(auto, 120, wrong)
+    assert sum(lengths[-60:]) == 0  # learned: plain decoding is fastest
+
+
+def test_chooser_drafts_long_when_everything_is_accepted():
+    text = list(range(100, 109))
+    src = Fake("suffix", True, text)
+    auto = AutoProposer({"suffix": src})
+    lengths = run(auto, 60, lambda d: text[:len(d) + 1])  # every drafted token is the target's own
+    assert min(lengths[-20:]) == 8
+
+
+def test_a_losing_costly_source_is_not_run():
+    good = Fake("suffix", True, [1, 2, 3, 4, 5, 6, 7, 8])
+    heads = Fake("mtp", False, [7, 7, 7, 7])
+    auto = AutoProposer({"suffix": good, "mtp": heads})
+
+    def truth(draft):  # the suffix source is always right, the heads always wrong
+        return [1, 2, 3, 4, 5, 6, 7, 8, 9][:len(draft) + 1] if draft[:1] == [1] or not draft else [-1]
+
+    run(auto, 40, truth)
+    before = heads.calls
+    run(auto, 400, truth)
+    assert heads.calls - before <= 2  # the winner drafts every step: the loser is never even probed
+
+    heads2 = Fake("mtp", False, [7, 7, 7, 7])
+    auto2 = AutoProposer({"suffix": Fake("suffix", True, [5] * 8), "mtp": heads2})
+    run(auto2, 40, wrong)  # nothing wins: plain decoding, with the heads probed now and then
+    before = heads2.calls
+    lengths = run(auto2, 400, wrong)
+    assert 1 <= heads2.calls - before <= 8 and sum(lengths) <= 8  # exponential backoff: 16, 32, 64, ... steps apart
