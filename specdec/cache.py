@@ -59,14 +59,19 @@ class KVPool:
     fill. Keys and values side by side, so one copy writes both: kv[l, 0, s, :Hkv] = K, kv[l, 0, s, Hkv:] = V."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, n_slots: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", transposed_keys: bool = False):
+                 device: torch.device | str = "cpu", transposed_keys: bool = False, latent: bool = False):
+        """latent: multi-head latent attention (models/mla.py): a slot holds one vector of head_dim (the compressed
+        kv latent and the rope key, [kv_lora_rank + rope_dim]) instead of 2 Hkv heads; kv [layers, 1, S, 1, D],
+        and k_all / v_all are both views of it."""
         self.max_len = max_len
         self.stride = -(-max_len // kernels.TILE) * kernels.TILE  # slots between sequences, whole tiles
         S = self.stride * n_slots
-        self.kv = lazy_zeros((n_layers, 1, S, 2 * n_kv_heads, head_dim), dtype, device)
+        if latent:
+            n_kv_heads, transposed_keys = 1, False
+        self.kv = lazy_zeros((n_layers, 1, S, 1 if latent else 2 * n_kv_heads, head_dim), dtype, device)
         # per-layer views as attention reads them: [1, Hkv, S, D] (made once; slicing them per step is one op)
         self.k_all = [self.kv[i, :, :, :n_kv_heads].transpose(1, 2) for i in range(n_layers)]
-        self.v_all = [self.kv[i, :, :, n_kv_heads:].transpose(1, 2) for i in range(n_layers)]
+        self.v_all = [self.kv[i, :, :, 0 if latent else n_kv_heads:].transpose(1, 2) for i in range(n_layers)]
         # the keys again, in transposed tiles [layers, Hkv, tiles, D, 32], for the attention kernel
         # (specdec/kernels/attention.c computes 32 scores at a time from a tile)
         self.kt = kernels.key_tiles(n_layers, n_kv_heads, head_dim, S, dtype) if transposed_keys else None
@@ -101,9 +106,9 @@ class KVCache:
 
     def __init__(self, n_layers: int = 0, n_kv_heads: int = 0, head_dim: int = 0, max_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", transposed_keys: bool = False,
-                 *, pool: KVPool | None = None, slot: int = 0):
+                 *, pool: KVPool | None = None, slot: int = 0, latent: bool = False):
         if pool is None:
-            pool = KVPool(n_layers, n_kv_heads, head_dim, max_len, 1, dtype, device, transposed_keys)
+            pool = KVPool(n_layers, n_kv_heads, head_dim, max_len, 1, dtype, device, transposed_keys, latent)
             pool.free.remove(slot)
         self.pool, self.slot = pool, slot
         self.base = slot * pool.stride  # this sequence's first slot in the pool

@@ -45,6 +45,10 @@ class Linear:
         self.out_features = w.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if self.bias is not None and not x.is_contiguous():
+            # a strided input with a bias takes a path whose rows depend on the batch (bf16, measured): a copy
+            # keeps this layer batch-invariant, as the rest of the model is
+            x = x.contiguous()
         return F.linear(x, self.weight, self.bias)
 
     def apply(self, x: torch.Tensor, norm=None, swiglu: bool = False, residual: torch.Tensor | None = None

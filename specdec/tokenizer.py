@@ -187,6 +187,36 @@ def _release_freed_memory() -> None:
         pass
 
 
+def _tokenizer_only_gguf(path: Path, scratch: Path) -> Path | None:
+    """A copy of the GGUF's tokenizer.* fields alone, as architecture "llama", in `scratch`, when transformers cannot
+    read the file's own architecture; None when it can (or the file cannot be parsed: transformers says why)."""
+    try:
+        import gguf
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+        reader = gguf.GGUFReader(path)
+        arch = reader.fields["general.architecture"].contents()
+    except Exception:
+        return None
+    if arch in GGUF_SUPPORTED_ARCHITECTURES or arch.replace("moe", "_moe") in GGUF_SUPPORTED_ARCHITECTURES:
+        return None
+    out = scratch / "tokenizer.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value, kind = field.contents(), field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, list(value))
+        else:
+            w.add_key_value(key, value, kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return out
+
+
 def _convert_gguf_tokenizer(path: Path, folder: Path) -> Path:
     """Convert a GGUF vocabulary with transformers and save it as tokenizer.json (written atomically) -> the folder
     holding it (a temporary one when the cache cannot be written)."""
@@ -201,7 +231,11 @@ def _convert_gguf_tokenizer(path: Path, folder: Path) -> Path:
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with tempfile.TemporaryDirectory() as scratch:
+            # transformers reads a GGUF's vocabulary only for the architectures it can load (not deepseek2 or
+            # glm4moe): hand it the tokenizer fields alone under a neutral architecture then
+            src = _tokenizer_only_gguf(path, Path(scratch)) or path
+            tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     except Exception as e:  # transformers raises many kinds here; all mean "this vocabulary can't be converted"
         raise ModelError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {str(e)[:200]}") from e
     try:

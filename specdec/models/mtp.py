@@ -42,7 +42,7 @@ import torch
 from ..cache import KVCache
 from ..config import ModelArgs, ModelError
 from ..quant import make_linear
-from .transformer import AttentionPlan, Block, Transformer, rms_norm
+from .transformer import AttentionPlan, Block, Transformer, cache_shape, rms_norm
 
 
 class MTPModule:
@@ -67,7 +67,9 @@ class MTPModule:
 
         self.enorm, self.hnorm = twice("enorm"), twice("hnorm")  # [2, dim] each
         self.eh_proj = linear("eh_proj")  # [dim, 2 dim]
-        self.block = Block(args, src, prefix, dtype, quant, sliding=False, device=dev)
+        # DeepSeek-V3 / GLM-4.5: the module's block is a MoE layer (it comes after first_k_dense_replace), and
+        # MLA on DeepSeek
+        self.block = Block(args, src, prefix, dtype, quant, sliding=False, device=dev, moe=args.n_experts > 0)
         self.norm = twice("shared_head_norm") if prefix + "shared_head_norm" in src else trunk.output_norm  # [2, dim]
         self.own_head = prefix + "shared_head_head" in src
         self.head = linear("shared_head_head") if self.own_head else trunk.output  # [V, dim]
@@ -77,14 +79,14 @@ class MTPModule:
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         a = self.args
-        return KVCache(1, a.n_kv_heads, a.head_dim, max_len or self.max_len, self.dtype, self.device)
+        return KVCache(1, *cache_shape(a), max_len or self.max_len, self.dtype, self.device,
+                       latent=a.attention == "mla")
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads (the embedding lookup not counted; the head counted even if shared)."""
-        tensors = self.block.tensors() + self.eh_proj.tensors() + self.head.tensors()
-        tensors += [self.enorm, self.hnorm, self.norm]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = self.eh_proj.tensors() + self.head.tensors() + [self.enorm, self.hnorm, self.norm]
+        return self.block.active_bytes() + sum(t.numel() * t.element_size() for t in tensors)
 
     def __call__(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                  exact: bool = False, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +105,8 @@ class MTPModule:
         x = self.eh_proj(torch.cat([rms_norm(e, self.enorm, self.eps),
                                     rms_norm(h.to(self.dtype), self.hnorm, self.eps)], dim=-1))  # [1, T, dim]
         a = self.args
-        rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
+        rope = (self.rope.tables(positions, 1, 0) if a.attention == "mla"
+                else self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads))
         if T == 1:
             plan = AttentionPlan("single")
         elif exact:
@@ -123,8 +126,8 @@ def load_mtp_modules(trunk: Transformer, weights, args: ModelArgs, dtype: torch.
     """The file's MTP modules (canonical ``mtp.{i}.*`` tensors), depth 1 first; [] when it has none."""
     if not args.n_mtp_layers:
         return []
-    if args.family != "llama":
-        raise ModelError(f"MTP modules are supported on Llama-family trunks, not {args.arch}")
+    if args.family not in ("llama", "moe", "deepseek"):
+        raise ModelError(f"MTP modules are supported on Llama-family, MoE and DeepSeek trunks, not {args.arch}")
     modules = []
     for i in range(args.n_mtp_layers):
         try:

@@ -25,8 +25,9 @@ from ..spec.tree import tree_mask
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """RoPE inverse frequencies [D/2], with linear, llama3 (Llama-3.1 "rope_type": "llama3") or GGUF freq-factor
-    scaling, computed as transformers does."""
+    """RoPE inverse frequencies [D/2], with linear, llama3 (Llama-3.1 "rope_type": "llama3"), GGUF freq-factor or
+    YaRN (Peng et al. 2023, arXiv 2309.00071; DeepSeek-V2/V3) scaling, computed as transformers does. YaRN's
+    attention factor (its mscale on cos / sin) is args.rope_attention_factor, applied by Rope."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv
@@ -44,19 +45,41 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        factor, old = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+        fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+        def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `old`
+            return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = correction_dim(fast), correction_dim(slow)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - lo) / ((hi + 0.001 if lo == hi else hi) - lo))
+        extrapolate = 1 - ramp.clamp(0, 1)  # 1: keep the frequency (high ones), 0: interpolate it by `factor`
+        return inv / factor * (1 - extrapolate) + inv * extrapolate
     raise ModelError(f"rope scaling '{kind}' is not supported")
 
 
 class Rope:
-    """cos / sin tables [S, D] for one RoPE base; rotate_half is a roll by D/2 with the sign folded into sin."""
+    """cos / sin tables [S, D] for one RoPE base; rotate_half is a roll by D/2 with the sign folded into sin.
 
-    def __init__(self, inv_freq: torch.Tensor, max_len: int, dtype: torch.dtype, device):
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [S, D/2]
+    Partial rotary (inv_freq shorter than D / 2, GLM-4.5): frequency i turns dims i and D/2 + i, and the other dims
+    keep cos = 1, sin = 0. The weight readers lay each head's rotated halves out that way (weights.partial_rotary).
+    scale multiplies cos and sin of the rotated dims (YaRN's attention factor)."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_len: int, dtype: torch.dtype, device, dim: int | None = None,
+                 scale: float = 1.0):
+        half = (dim or 2 * inv_freq.numel()) // 2
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [S, r/2]
+        rotated = torch.arange(half) < inv_freq.numel()  # [D/2]
+        freqs = F.pad(freqs, (0, half - inv_freq.numel()))  # [S, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
-        half = inv_freq.numel()
         sign = torch.cat([-torch.ones(half), torch.ones(half)])
-        self.cos = emb.cos().to(dtype=dtype, device=device)  # [S, D]
-        self.sin = (emb.sin() * sign).to(dtype=dtype, device=device)  # [S, D]
+        gain = torch.where(torch.cat([rotated, rotated]), scale, 1.0)  # [D]
+        self.cos = (emb.cos() * gain).to(dtype=dtype, device=device)  # [S, D]
+        self.sin = (emb.sin() * sign * gain).to(dtype=dtype, device=device)  # [S, D]
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin f32 [T, D] at `positions`, as kernels.rope_store() takes them."""
@@ -122,15 +145,20 @@ class AttentionPlan:
 
 
 class Block:
-    """One transformer layer: pre-norm attention (GQA, RoPE, optional q/k norm) and gated FFN, residuals around.
+    """One transformer layer: pre-norm attention and gated FFN, residuals around. Attention is GQA (RoPE, optional
+    q/k norm) or, for DeepSeek-V2/V3, multi-head latent attention (models/mla.py); the FFN is dense or a mixture
+    of experts (models/moe.py).
 
     A plain object holding tensors (not an nn.Module): at decode time each layer is ~20 tiny ops, and Module's
     __call__ / __getattr__ machinery would cost as much as they do."""
 
     def __init__(self, args: ModelArgs, src, prefix: str, dtype: torch.dtype, quant: str, sliding: bool,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, moe: bool = False):
         """src: the weights (weights.LazyWeights, or CachedWeights from the layout cache); prefix: this layer's
-        tensor names, e.g. "blk.3." (MTP modules: "mtp.0.")."""
+        tensor names, e.g. "blk.3." (MTP modules: "mtp.0."); moe: the FFN is a mixture of experts."""
+        from .mla import MLAttention
+        from .moe import MoE
+
         a = args
         device = device or torch.device("cpu")
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
@@ -149,20 +177,29 @@ class Block:
 
             return src.linear(prefix + key, make)
 
-        self.wqkv = linear("wqkv", ("attn_q", "attn_k", "attn_v"),
-                           ("attn_q.bias", "attn_k.bias", "attn_v.bias") if a.qkv_bias else ())
-        self.wo = linear("wo", ("attn_output",))
-        self.w13 = linear("w13", ("ffn_gate", "ffn_up"))
-        self.w2 = linear("w2", ("ffn_down",))
-        self.ffn_dim = self.w13.out_features // 2
         norm = lambda n: RMSNorm(src.raw(prefix + n).to(device), a.norm_eps, dtype)  # noqa: E731
         self.attn_norm, self.ffn_norm = norm("attn_norm"), norm("ffn_norm")
+        self.mla = MLAttention(a, src, prefix, dtype, linear, norm) if a.attention == "mla" else None
+        if self.mla is None:
+            self.wqkv = linear("wqkv", ("attn_q", "attn_k", "attn_v"),
+                               ("attn_q.bias", "attn_k.bias", "attn_v.bias") if a.qkv_bias else ())
+            self.wo = linear("wo", ("attn_output",))
+        self.moe = MoE(a, src, prefix, dtype, quant, device, self.ffn_norm) if moe else None
+        if self.moe is None:
+            self.w13 = linear("w13", ("ffn_gate", "ffn_up"))
+            self.w2 = linear("w2", ("ffn_down",))
+            self.ffn_dim = self.w13.out_features // 2
         self.post_attention_norm = norm("post_attention_norm") if a.sandwich_norms else None
         self.post_ffw_norm = norm("post_ffw_norm") if a.sandwich_norms else None
         # q/k RMSNorm weights, one row per q head then per k head: [H + Hkv, D]
         self.qk_norm = torch.cat([src.raw(prefix + "attn_q_norm").expand(a.n_heads, -1),
                                   src.raw(prefix + "attn_k_norm").expand(a.n_kv_heads, -1)]
-                                 ).to(device, dtype) if a.qk_norm else None
+                                 ).to(device, dtype) if a.qk_norm and self.mla is None else None
+
+    def linears(self) -> list:
+        """The attention's and the dense FFN's linear layers (a MoE layer's experts: self.moe)."""
+        attn = self.mla.linears() if self.mla is not None else [self.wqkv, self.wo]
+        return attn + ([self.w13, self.w2] if self.moe is None else [])
 
     def attend(self, q: torch.Tensor, c: LayerCache, end: int, mask: torch.Tensor | None, window: int | None
                ) -> torch.Tensor:
@@ -174,9 +211,19 @@ class Block:
                                               scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
 
     def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the layer holds (all experts of a MoE layer)."""
         norms = [n.twice for n in (self.attn_norm, self.ffn_norm, self.post_attention_norm, self.post_ffw_norm) if n]
-        linears = [t for lin in (self.wqkv, self.wo, self.w13, self.w2) for t in lin.tensors()]
-        return linears + norms + ([self.qk_norm] if self.qk_norm is not None else [])
+        linears = [t for lin in self.linears() for t in lin.tensors()]
+        extra = self.mla.tensors() if self.mla is not None else []
+        extra += self.moe.tensors() if self.moe is not None else []
+        return linears + norms + extra + ([self.qk_norm] if self.qk_norm is not None else [])
+
+    def active_bytes(self) -> int:
+        """Bytes one token's forward reads: every tensor but the routed experts it did not choose."""
+        total = sum(t.numel() * t.element_size() for t in self.tensors())
+        if self.moe is not None:
+            total -= (self.moe.args.n_experts - self.moe.args.n_experts_used) * self.moe.expert_bytes()
+        return total
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], c: LayerCache, start: int,
                  plan: AttentionPlan, window: int | None) -> torch.Tensor:
@@ -187,6 +234,17 @@ class Block:
         plans write slots [start, start + T) of its slot; the "kernel" plan writes plan.slots, rows of several
         sequences possibly); plan: how the T queries attend (see AttentionPlan); window: sliding-window size of
         this layer, or None."""
+        if self.mla is not None:
+            x = self.mla(x, self.attn_norm, rope, c, start, plan)
+        else:
+            x = self.attention(x, rope, c, start, plan, window)
+        if self.moe is not None:  # exact plans: each row routed alone, see models/moe.py
+            return self.moe(x, exact=plan.kind != "masked")
+        return self.ffn(x)
+
+    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], c: LayerCache, start: int,
+                  plan: AttentionPlan, window: int | None) -> torch.Tensor:
+        """GQA attention with its residual: x [B, T, dim] -> [B, T, dim]."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         qkv = self.wqkv.apply(x, norm=self.attn_norm).view(B, T, H + 2 * Hkv, D)
@@ -200,9 +258,11 @@ class Block:
             o = self.attend_torch(qkv, rope, c, start, plan, window)
             o = o.transpose(1, 2).reshape(B, T, H * D)
         if self.sandwich:  # Gemma: the norm comes between the projection and the residual add
-            x = x + self.post_attention_norm(self.wo(o))
-        else:
-            x = self.wo.apply(o, residual=x)
+            return x + self.post_attention_norm(self.wo(o))
+        return self.wo.apply(o, residual=x)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense gated FFN with its residual: x [B, T, dim] -> [B, T, dim]."""
         h = self.w13.apply(x, norm=self.ffn_norm, swiglu=not self.gelu)  # [B, T, ffn] (SwiGLU) or [B, T, 2 ffn]
         if self.gelu:
             gate, up = h.split(self.ffn_dim, dim=-1)
@@ -241,6 +301,22 @@ class Block:
         return self.attend(q, c, L, None, window)
 
 
+def make_rope(args: ModelArgs, max_len: int, dtype: torch.dtype, device) -> Rope:
+    """The RoPE tables of a model: over each head (GQA; its first rotary_dim dims for partial rotary) or over MLA's
+    decoupled rope dims, with the model's scaling and YaRN attention factor."""
+    dim = args.qk_rope_dim if args.attention == "mla" else args.head_dim
+    rotated = args.rotary_dim or dim
+    inv = rope_inv_freq(rotated, args.rope_theta, args.rope_scaling)
+    return Rope(inv, max_len, dtype, device, dim=dim, scale=args.rope_attention_factor)
+
+
+def cache_shape(args: ModelArgs) -> tuple[int, int]:
+    """(KV heads, head size) of a cache slot: MLA keeps one vector, the kv latent and the rope key."""
+    if args.attention == "mla":
+        return 1, args.kv_lora_rank + args.qk_rope_dim
+    return args.n_kv_heads, args.head_dim
+
+
 class Transformer:
     """Token embedding -> blocks -> final norm -> output head (tied to the embedding or not).
 
@@ -274,28 +350,27 @@ class Transformer:
             if f"{prefix}attn_norm" not in w:
                 raise ModelError(f"the model file lacks layer {i}: it is incomplete")
             try:
-                self.layers.append(Block(args, w, prefix, dtype, quant, args.sliding_layers[i], dev))
+                self.layers.append(Block(args, w, prefix, dtype, quant, args.sliding_layers[i], dev,
+                                         moe=args.moe_layers[i]))
             except KeyError as e:
                 raise ModelError(f"layer {i} lacks tensor {e}: the file is incomplete or not {args.arch}") from e
             if progress:
                 progress(i + 1, args.n_layers)
-        inv = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
-        self.rope = self.rope_local = Rope(inv, self.max_len, dtype, dev)
+        self.rope = self.rope_local = make_rope(args, self.max_len, dtype, dev)
         if args.rope_local_theta is not None:
             self.rope_local = Rope(rope_inv_freq(args.head_dim, args.rope_local_theta, None), self.max_len, dtype, dev)
         self.embed_scale = torch.tensor(args.embed_scale, dtype=dtype, device=dev)
-        self.kernel = kernels.kernel_supports(dtype, dev, args.head_dim)
+        # MLA attends in PyTorch (its latent cache is not the kernel's layout), so each sequence decodes alone
+        self.kernel = kernels.kernel_supports(dtype, dev, args.head_dim) and args.attention != "mla"
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
-        a = self.args
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len or self.max_len, self.dtype, self.device,
-                       transposed_keys=self.kernel)
+        return KVCache(self.args.n_layers, *cache_shape(self.args), max_len or self.max_len, self.dtype, self.device,
+                       transposed_keys=self.kernel, latent=self.args.attention == "mla")
 
     def new_pool(self, n_slots: int, max_len: int | None = None) -> KVPool:
         """A cache pool for up to n_slots sequences decoded together (engine.Engine)."""
-        a = self.args
-        return KVPool(a.n_layers, a.n_kv_heads, a.head_dim, max_len or self.max_len, n_slots, self.dtype,
-                      self.device, transposed_keys=self.kernel)
+        return KVPool(self.args.n_layers, *cache_shape(self.args), max_len or self.max_len, n_slots, self.dtype,
+                      self.device, transposed_keys=self.kernel, latent=self.args.attention == "mla")
 
     @property
     def weight_format(self) -> str:
@@ -303,16 +378,18 @@ class Transformer:
         import collections
 
         names = {"Int4Linear": "int4", "Int8Linear": "int8", "Linear": str(self.dtype).removeprefix("torch.")}
-        lins = [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2)] + [self.output]
+        lins = [lin for layer in self.layers for lin in layer.linears()] + [self.output]
+        lins += [lin for layer in self.layers if layer.moe for pair in layer.moe.experts for lin in pair]
         counts = collections.Counter(names[type(lin).__name__] for lin in lins)
         return ", ".join(f"{k} x{v}" for k, v in counts.most_common())
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights one forward reads: every layer's matrices and norms and the output head (a lookup reads
-        only T rows of the embedding table, which is not counted)."""
-        tensors = [t for layer in self.layers for t in layer.tensors()] + self.output.tensors() + [self.output_norm]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of weights a one-token forward reads: every layer's matrices and norms (of a MoE layer: the router,
+        the shared experts and k routed experts) and the output head (a lookup reads only T rows of the embedding
+        table, which is not counted)."""
+        tensors = self.output.tensors() + [self.output_norm]
+        return sum(layer.active_bytes() for layer in self.layers) + sum(t.numel() * t.element_size() for t in tensors)
 
     @staticmethod
     def row_tails(cache: KVCache, start: int, T: int, parents: list[int] | None) -> list[tuple[int, int, list[int]]]:
@@ -356,7 +433,9 @@ class Transformer:
         """Embedded rows x [1, T, dim] through every layer, the final norm and the head -> (logits [1, T', V]
         float32, hidden [1, T, dim]); last: the rows whose logits are wanted (all when None)."""
         a = self.args
-        if plan.kind == "kernel":  # rows of the tables, for kernels.rope_store()
+        if a.attention == "mla":  # one rope key shared by the heads: [1, T, 1, rope_dim] tables
+            rope = rope_local = self.rope.tables(positions, 1, 0)
+        elif plan.kind == "kernel":  # rows of the tables, for kernels.rope_store()
             rope = self.rope.rows(positions)
             rope_local = rope if self.rope_local is self.rope else self.rope_local.rows(positions)
         else:  # whole [1, T, H + 2 Hkv, D] tables, for apply_rope()

@@ -185,3 +185,42 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k permutation (interleaved rotary pairs -> rotate_half halves), per head along dim 0."""
     head_dim = w.shape[0] // n_heads
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def partial_rotary(w: torch.Tensor, n_heads: int, rotary_dim: int) -> torch.Tensor:
+    """Lay out each head's rows (q/k projections, their biases, q/k norm weights with n_heads = 1) for partial
+    rotary embedding as models.transformer.Rope applies it: Hugging Face rotates the first rotary_dim dims of a head
+    (pairs i, i + rotary_dim / 2) and passes the rest; we pair dims i and D/2 + i, so the rotated halves move to
+    [0, rotary_dim / 2) and [D/2, D/2 + rotary_dim / 2), the passed dims fill the rest. A permutation of q and k
+    alike, so q . k (and the attention) is unchanged."""
+    D = w.shape[0] // n_heads
+    half, rh = D // 2, rotary_dim // 2
+    if rotary_dim >= D:
+        return w
+    passed = torch.arange(rotary_dim, D)
+    perm = torch.cat([torch.arange(rh), passed[:half - rh], torch.arange(rh, rotary_dim), passed[half - rh:]])
+    return w.reshape(n_heads, D, *w.shape[1:])[:, perm].reshape(w.shape)
+
+
+def deinterleave_rope(w: torch.Tensor, n_heads: int, rope_dim: int) -> torch.Tensor:
+    """DeepSeek's rope dims are interleaved pairs (x0, x1), (x2, x3) ...: put each head's last rope_dim rows in
+    rotate_half order (evens, then odds), as models/mla.py rotates them. w: [n_heads (nope + rope), ...]."""
+    per = w.shape[0] // n_heads
+    h = w.reshape(n_heads, per, *w.shape[1:])
+    rope = h[:, per - rope_dim:]
+    return torch.cat([h[:, :per - rope_dim], rope[:, 0::2], rope[:, 1::2]], dim=1).reshape(w.shape)
+
+
+def rope_layout(args: ModelArgs, name: str, w: torch.Tensor) -> torch.Tensor:
+    """A canonical tensor in the rotary layout the model applies (see partial_rotary, deinterleave_rope); the
+    weight readers call this on every tensor they load (also on int4 codes and scales: rows are rows)."""
+    short = name.rsplit(".", 2 if name.endswith(".bias") else 1)[-2 if name.endswith(".bias") else -1]
+    if args.rotary_dim and args.rotary_dim < args.head_dim:
+        heads = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads, "attn_q_norm": 1, "attn_k_norm": 1}
+        if short in heads:
+            return partial_rotary(w, heads[short], args.rotary_dim)
+    if args.attention == "mla" and short in ("attn_q", "attn_q_b"):
+        return deinterleave_rope(w, args.n_heads, args.qk_rope_dim)
+    if args.attention == "mla" and short == "attn_kv_a_mqa":
+        return deinterleave_rope(w, 1, args.qk_rope_dim)
+    return w

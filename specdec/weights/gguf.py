@@ -25,11 +25,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError
-from . import LazyWeights, LoadedModel, unpermute_rotary
+from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError, yarn_mscale
+from . import LazyWeights, LoadedModel, rope_layout, unpermute_rotary
 
 GGUF_MAGIC = b"GGUF"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# llama.cpp's mixture-of-experts architectures -> ours (deepseek2 is V2 or V3 by its gating function, see below)
+MOE_ARCHS = {"qwen3moe": "qwen3_moe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2"}
+# stacked expert tensors [E, N, K] -> the canonical per-expert name exp.{e}.<short>
+_STACKED = {"ffn_gate_exps": "ffn_gate", "ffn_up_exps": "ffn_up", "ffn_down_exps": "ffn_down"}
 
 
 def _open(path: Path):
@@ -192,9 +196,12 @@ def read_gguf(path: Path) -> LoadedModel:
     reader = _open(path)
     meta = _meta(reader)
     arch = meta.get("general.architecture")
-    if arch not in FAMILIES:
+    if arch not in FAMILIES and arch not in MOE_ARCHS:
         raise ModelError(f"unknown architecture '{arch}' in {path.name}: specdec supports {SUPPORTED}")
     tensors = {t.name.removesuffix(".weight"): t for t in reader.tensors}
+    if arch in FAMILIES and any(n.endswith(("ffn_gate_inp", "ffn_gate_exps")) for n in tensors):
+        raise ModelError(f"{path.name} is a mixture-of-experts variant of '{arch}' (e.g. Mixtral), which specdec "
+                         "does not support: its MoE architectures are qwen3moe, glm4moe and deepseek2")
     try:
         args = _args_from_meta(arch, meta, tensors)
     except (TypeError, ValueError, ArithmeticError) as e:  # a value of the wrong type, a zero head count ...
@@ -202,6 +209,9 @@ def read_gguf(path: Path) -> LoadedModel:
 
     def canonical(name: str) -> str:
         m = _BLOCK_RE.match(name)
+        if name.endswith(".exp_probs_b.bias"):  # the sigmoid router's bias, stored as a .bias of nothing
+            name = name.removesuffix(".bias")
+            m = _BLOCK_RE.match(name)
         if m and int(m[1]) >= args.n_layers:  # an MTP block: blk.{L+i}.nextn.eh_proj -> mtp.{i}.eh_proj
             return f"mtp.{int(m[1]) - args.n_layers}.{m[2].removeprefix('nextn.')}"
         return name
@@ -224,23 +234,29 @@ def read_gguf(path: Path) -> LoadedModel:
             return unpermute_rotary(w, args.n_kv_heads)
         return w
 
-    def loader(t, name: str):
+    def loader(t, name: str, expert: int | None = None):
+        """expert: one expert's [N, K] slice of a stacked [E, N, K] tensor (only its bytes are read)."""
+
         def load() -> torch.Tensor:
             qtype = GGMLQuantizationType(t.tensor_type)
-            arr = np.asarray(t.data) if qtype == GGMLQuantizationType.F32 else dequantize(t.data, qtype)
-            shape = tuple(int(s) for s in reversed(t.shape))
+            data = t.data if expert is None else t.data[expert]
+            arr = np.asarray(data) if qtype == GGMLQuantizationType.F32 else dequantize(data, qtype)
+            shape = tuple(int(s) for s in reversed(t.shape))[0 if expert is None else 1:]
             arr = np.ascontiguousarray(arr, dtype=np.float32)
             w = torch.from_numpy(arr if arr.flags.writeable else arr.copy()).reshape(shape)
-            release(t)
-            return permuted(w, name)
+            if expert is None or expert == t.shape[-1] - 1:
+                release(t)
+            return rope_layout(args, name, permuted(w, name))
 
         return load
 
-    def code_loader(t, name: str):
+    def code_loader(t, name: str, expert: int | None = None):
         def load() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            q, scale, zero = int4_codes(np.asarray(t.data), GGMLQuantizationType(t.tensor_type))
-            release(t)
-            return tuple(permuted(x, name) for x in (q, scale, zero))
+            data = t.data if expert is None else t.data[expert]
+            q, scale, zero = int4_codes(np.asarray(data), GGMLQuantizationType(t.tensor_type))
+            if expert is None or expert == t.shape[-1] - 1:
+                release(t)
+            return tuple(rope_layout(args, name, permuted(x, name)) for x in (q, scale, zero))
 
         return load
 
@@ -249,9 +265,20 @@ def read_gguf(path: Path) -> LoadedModel:
         if name == "rope_freqs":
             continue  # folded into args.rope_scaling
         name = canonical(name)
-        shapes[name] = tuple(int(s) for s in reversed(t.shape))
+        shape = tuple(int(s) for s in reversed(t.shape))
+        int4 = GGMLQuantizationType(t.tensor_type).name in INT4_CODES
+        stacked = _STACKED.get(name.rsplit(".", 1)[-1]) if len(shape) == 3 else None
+        if stacked:  # blk.N.ffn_up_exps [E, N, K] -> blk.N.exp.{e}.ffn_up [N, K], each loaded on its own
+            for e in range(shape[0]):
+                one = f"{name.rsplit('.', 1)[0]}.exp.{e}.{stacked}"
+                shapes[one], loaders[one] = shape[1:], loader(t, one, e)
+                if int4:
+                    codes[one] = code_loader(t, one, e)
+                nbytes[one], numel[one] = int(t.n_bytes) // shape[0], int(t.n_elements) // shape[0]
+            continue
+        shapes[name] = shape
         loaders[name] = loader(t, name)
-        if GGMLQuantizationType(t.tensor_type).name in INT4_CODES and len(t.shape) == 2:
+        if int4 and len(t.shape) == 2:
             codes[name] = code_loader(t, name)
         nbytes[name] = int(t.n_bytes)
         numel[name] = int(t.n_elements)
@@ -293,6 +320,10 @@ def check_model(args: ModelArgs, shapes: Mapping[str, tuple[int, ...]], where: s
     need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     if scaling.get("rope_type") == "llama3" and not all(isinstance(scaling.get(k), int | float) for k in need):
         bad.append(f"llama3 rope scaling needs {', '.join(need)}")
+    if args.n_experts and not 1 <= args.n_experts_used <= args.n_experts:
+        bad.append(f"{args.n_experts_used} experts per token of {args.n_experts}")
+    if args.n_experts and (args.n_experts % args.router_groups or args.router_topk_groups > args.router_groups):
+        bad.append(f"{args.n_experts} experts in {args.router_groups} groups, {args.router_topk_groups} kept")
     if bad:
         raise ModelError(f"{where}: the config is corrupt ({'; '.join(bad)}): download or convert the model again")
     D, F, hd = args.dim, args.ffn_dim, args.head_dim
@@ -301,14 +332,28 @@ def check_model(args: ModelArgs, shapes: Mapping[str, tuple[int, ...]], where: s
     if not args.tie_embeddings:
         want["output"] = (args.vocab_size, D)
     layer = {"attn_norm": (D,), "attn_q": (q, D), "attn_k": (kv, D), "attn_v": (kv, D), "attn_output": (D, q),
-             "ffn_norm": (D,), "ffn_gate": (F, D), "ffn_up": (F, D), "ffn_down": (D, F)}
+             "ffn_norm": (D,)}
+    if args.attention == "mla":
+        r, qk = args.kv_lora_rank, args.n_heads * (args.qk_nope_dim + args.qk_rope_dim)
+        layer = {"attn_norm": (D,), "attn_kv_a_mqa": (r + args.qk_rope_dim, D), "attn_kv_a_norm": (r,),
+                 "attn_output": (D, args.n_heads * args.v_head_dim), "ffn_norm": (D,)}
+        ql = args.q_lora_rank
+        layer.update({"attn_q_a": (ql, D), "attn_q_a_norm": (ql,), "attn_q_b": (qk, ql)} if ql else {"attn_q": (qk, D)})
+    dense = {"ffn_gate": (F, D), "ffn_up": (F, D), "ffn_down": (D, F)}
+    Fm, Fs = args.moe_ffn_dim, args.moe_ffn_dim * args.n_shared_experts
+    moe = {"ffn_gate_inp": (args.n_experts, D)}
+    for e in range(args.n_experts):
+        moe.update({f"exp.{e}.ffn_gate": (Fm, D), f"exp.{e}.ffn_up": (Fm, D), f"exp.{e}.ffn_down": (D, Fm)})
+    if Fs:
+        moe.update(ffn_gate_shexp=(Fs, D), ffn_up_shexp=(Fs, D), ffn_down_shexp=(D, Fs))
     if args.qkv_bias:
         layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
     if args.qk_norm:
         layer.update(attn_q_norm=(hd,), attn_k_norm=(hd,))
     if args.sandwich_norms:
         layer.update(post_attention_norm=(D,), post_ffw_norm=(D,))
-    want.update({f"blk.{i}.{k}": shape for i in range(args.n_layers) for k, shape in layer.items()})
+    want.update({f"blk.{i}.{k}": shape for i in range(args.n_layers)
+                 for k, shape in {**layer, **(moe if args.moe_layers[i] else dense)}.items()})
     for name, shape in want.items():
         if name not in shapes:
             raise ModelError(f"{where} lacks tensor {name}: the file is incomplete, download or convert it again")
@@ -386,9 +431,15 @@ def _args_from_meta(arch: str, meta: dict, tensors: dict) -> ModelArgs:
         rope_scaling = {"rope_type": "freq_factors", "factors": np.asarray(tensors["rope_freqs"].data).tolist()}
     elif g("rope.scaling.type") not in (None, "none"):
         kind = g("rope.scaling.type")
-        if kind != "linear":
-            raise ModelError(f"rope scaling '{kind}' is not supported (linear and llama3 are)")
-        rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor", 1.0))}
+        if kind == "yarn":
+            rope_scaling = {"rope_type": "yarn", "factor": float(g("rope.scaling.factor", 1.0)),
+                            "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
+                            "beta_fast": float(g("rope.scaling.yarn_beta_fast", 32.0)),
+                            "beta_slow": float(g("rope.scaling.yarn_beta_slow", 1.0))}
+        elif kind != "linear":
+            raise ModelError(f"rope scaling '{kind}' is not supported (linear, llama3 and yarn are)")
+        else:
+            rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor", 1.0))}
     args = dict(
         arch=arch, vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=int(kv),
         head_dim=head_dim, ffn_dim=int(need("feed_forward_length")),
@@ -397,7 +448,7 @@ def _args_from_meta(arch: str, meta: dict, tensors: dict) -> ModelArgs:
         qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm" in tensors,
         n_mtp_layers=n_mtp, mtp_layout="deepseek" if n_mtp else None,
     )
-    if FAMILIES[arch] == "gemma3":
+    if FAMILIES.get(arch) == "gemma3":
         window = g("attention.sliding_window")
         pattern = g("attention.sliding_window_pattern", 6)
         if isinstance(pattern, list | tuple):
@@ -412,4 +463,60 @@ def _args_from_meta(arch: str, meta: dict, tensors: dict) -> ModelArgs:
         )
     elif g("attention.sliding_window"):
         args["sliding_window"] = int(g("attention.sliding_window"))
+    if arch in MOE_ARCHS:
+        args.update(_moe_meta(arch, g, need, n_heads, rope_scaling,
+                              [f"blk.{i}.ffn_gate_inp" in tensors for i in range(n_layers)]))
     return ModelArgs(**args)
+
+
+def _moe_meta(arch: str, g, need, n_heads: int, rope_scaling: dict | None, moe_layers: list[bool]) -> dict:
+    """The mixture-of-experts and MLA fields of ModelArgs from llama.cpp's metadata (convert_hf_to_gguf.py's
+    Qwen3MoeModel, Glm4MoeModel, DeepseekV2Model: expert_count, expert_used_count, expert_feed_forward_length,
+    expert_shared_count, leading_dense_block_count, expert_gating_func, expert_group_count / _used_count,
+    expert_weights_scale / _norm; MLA: attention.q_lora_rank, kv_lora_rank, key_length_mla, value_length_mla,
+    rope.dimension_count). moe_layers: which layers have a router (leading dense layers, Qwen3's mlp_only_layers
+    and decoder_sparse_step all show that way)."""
+    from gguf import ExpertGatingFuncType
+
+    gating = int(g("expert_gating_func", ExpertGatingFuncType.SIGMOID if arch == "glm4moe" else
+                   ExpertGatingFuncType.SOFTMAX))
+    if gating not in (ExpertGatingFuncType.SOFTMAX, ExpertGatingFuncType.SIGMOID):
+        raise ModelError(f"GGUF metadata: {arch}.expert_gating_func = {gating} is a MoE variant specdec does not "
+                         "support (softmax and sigmoid routing are)")
+    sigmoid = gating == ExpertGatingFuncType.SIGMOID
+    name = "deepseek_v3" if arch == "deepseek2" and sigmoid else MOE_ARCHS[arch]
+    groups = int(g("expert_group_count", 1) or 1)
+    out = dict(arch=name, n_experts=int(need("expert_count")), n_experts_used=int(need("expert_used_count")),
+               moe_ffn_dim=int(need("expert_feed_forward_length")),
+               n_shared_experts=int(g("expert_shared_count", 0) or 0),
+               moe_layers=moe_layers, router="sigmoid" if sigmoid else "softmax",
+               router_groups=groups, router_topk_groups=int(g("expert_group_used_count", groups) or groups),
+               router_group_score="top2" if sigmoid else "max",
+               norm_topk_prob=bool(g("expert_weights_norm", arch == "qwen3moe")),
+               routed_scaling=float(g("expert_weights_scale", 1.0) or 1.0))
+    if arch == "glm4moe":
+        out["rotary_dim"] = int(g("rope.dimension_count", int(need("attention.key_length")) // 2))
+    if arch == "deepseek2":
+        from .hf import yarn_attention_factor
+
+        n_rope = int(need("rope.dimension_count"))
+        qk, r = int(need("attention.key_length_mla")), int(need("attention.kv_lora_rank"))
+        ql = g("attention.q_lora_rank")
+        out.update(attention="mla", q_lora_rank=int(ql) if ql else None, kv_lora_rank=r, qk_nope_dim=qk - n_rope,
+                   qk_rope_dim=n_rope, v_head_dim=int(need("attention.value_length_mla")), head_dim=qk,
+                   n_kv_heads=n_heads, qkv_bias=False, qk_norm=False)
+        scale = qk ** -0.5
+        if rope_scaling and rope_scaling["rope_type"] == "yarn":
+            # the converter keeps 0.1 * mscale_all_dim (yarn_log_multiplier) but not mscale: every DeepSeek
+            # config has mscale == mscale_all_dim, so YaRN's cos/sin factor is 1 (as llama.cpp computes it)
+            mscale_all = float(g("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+            if mscale_all:
+                rope_scaling.update(mscale=mscale_all, mscale_all_dim=mscale_all)
+                scale *= yarn_mscale(rope_scaling["factor"], mscale_all) ** 2
+            out["rope_attention_factor"] = yarn_attention_factor(rope_scaling)
+        out["query_scale"] = scale
+    elif rope_scaling and rope_scaling["rope_type"] == "yarn":
+        from .hf import yarn_attention_factor
+
+        out["rope_attention_factor"] = yarn_attention_factor(rope_scaling)
+    return out

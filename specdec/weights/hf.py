@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError
-from . import LazyWeights, LoadedModel
+from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError, yarn_mscale
+from . import LazyWeights, LoadedModel, rope_layout
 from .gguf import brief, check_model
 
 # HF per-layer names -> canonical (GGUF-style) names; Gemma's post_attention_layernorm differs, see _layer_map
@@ -38,9 +38,23 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    # mixture of experts (Qwen3-MoE, DeepSeek, GLM-4.5): router, its correction bias, shared experts
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    # multi-head latent attention (DeepSeek-V2 / V3)
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
 }
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")  # routed expert e -> exp.{e}.ffn_*
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|e_score_correction_bias)$")
 _MIMO_MTP_RE = re.compile(r"^model\.mtp_layers\.(\d+)\.(.+)\.(weight|bias)$")
 # MTP-specific tensors of a module (DeepSeek-V3 and MiMo names) -> canonical short names
 _MTP = {
@@ -49,6 +63,14 @@ _MTP = {
     "token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
     "final_layernorm": "shared_head_norm",
 }
+
+
+def _layer_short(part: str) -> str | None:
+    """Canonical short name of a layer tensor (``mlp.experts.3.up_proj`` -> ``exp.3.ffn_up``), None if unknown."""
+    m = _EXPERT_RE.match(part)
+    if m:
+        return f"exp.{m[1]}.ffn_{m[2]}"
+    return _LAYER.get(part)
 
 
 def _rope_params(cfg: dict) -> tuple[float, dict | None, float | None]:
@@ -65,8 +87,8 @@ def _rope_params(cfg: dict) -> tuple[float, dict | None, float | None]:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind in (None, "default"):
             scaling = None
-        elif kind not in ("llama3", "linear"):
-            raise ModelError(f"rope scaling '{kind}' is not supported (linear and llama3 are)")
+        elif kind not in ("llama3", "linear", "yarn"):
+            raise ModelError(f"rope scaling '{kind}' is not supported (linear, llama3 and yarn are)")
         else:
             scaling = dict(scaling, rope_type=kind)
     local = local if local is not None else cfg.get("rope_local_base_freq")
@@ -99,20 +121,78 @@ def args_from_config(cfg: dict, n_tensors: int | None = None) -> ModelArgs:
         layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
     sliding = [t == "sliding_attention" for t in layer_types] if layer_types and window else []
     gemma = family == "gemma3"
-    return ModelArgs(
-        arch=arch, vocab_size=int(cfg["vocab_size"]), dim=dim, n_layers=n_layers, n_heads=n_heads,
+    return ModelArgs(**{**dict(
+        vocab_size=int(cfg["vocab_size"]), dim=dim, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), head_dim=int(cfg.get("head_dim") or dim // n_heads),
         ffn_dim=int(cfg["intermediate_size"]), norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if gemma else 1e-5)),
         rope_theta=theta, rope_scaling=scaling, max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        qkv_bias=qwen2 or bool(cfg.get("attention_bias", False)), qk_norm=arch == "qwen3" or gemma,
+        qkv_bias=qwen2 or bool(cfg.get("attention_bias", False)) and family != "deepseek",
+        qk_norm=arch in ("qwen3", "qwen3_moe") or gemma or bool(cfg.get("use_qk_norm")),
         sliding_window=int(window) if window else None, sliding_layers=sliding,
         rope_local_theta=(local_theta or 10000.0) if gemma else None,
         query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
         embed_scale=dim**0.5 if gemma else 1.0, activation="gelu_tanh" if gemma else "silu", sandwich_norms=gemma,
         final_logit_softcap=cfg.get("final_logit_softcapping") if gemma else None,
         n_mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0),
-    )
+    ), **_moe_args(cfg, arch, n_layers, n_heads, scaling)})
+
+
+def _moe_args(cfg: dict, arch: str, n_layers: int, n_heads: int, scaling: dict | None) -> dict:
+    """The mixture-of-experts and MLA fields of ModelArgs (and arch) from a config.json."""
+    out: dict = {"arch": arch}
+    if arch == "qwen3_moe":
+        sparse = [i not in (cfg.get("mlp_only_layers") or []) and (i + 1) % int(cfg.get("decoder_sparse_step", 1)) == 0
+                  for i in range(n_layers)]
+        out.update(n_experts=int(cfg["num_experts"]), moe_ffn_dim=int(cfg["moe_intermediate_size"]),
+                   moe_layers=sparse if int(cfg["num_experts"]) else [False] * n_layers,
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    elif arch in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
+        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        v2 = arch == "deepseek_v2"
+        groups = int(cfg.get("n_group") or 1)
+        if v2 and cfg.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"):
+            raise ModelError(f"config.json: DeepSeek-V2 topk_method '{cfg['topk_method']}' is not supported "
+                             "(greedy and group_limited_greedy are)")
+        if v2 and cfg.get("topk_method", "greedy") == "greedy":
+            groups = 1
+        out.update(n_experts=int(cfg["n_routed_experts"]), moe_ffn_dim=int(cfg["moe_intermediate_size"]),
+                   n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                   moe_layers=[i >= first_dense for i in range(n_layers)],
+                   router="softmax" if v2 else "sigmoid", router_groups=groups,
+                   router_topk_groups=int(cfg.get("topk_group") or groups), router_group_score="max" if v2 else "top2",
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                   routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0))
+    else:
+        return out
+    out["n_experts_used"] = int(cfg["num_experts_per_tok"])
+    if arch == "glm4_moe":
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_heads)
+        factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
+        out["rotary_dim"] = int(head_dim * float(factor))
+    if arch.startswith("deepseek"):
+        n, dr = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+        out.update(attention="mla", q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+                   kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_dim=n, qk_rope_dim=dr,
+                   v_head_dim=int(cfg["v_head_dim"]), head_dim=n + dr)
+        scale = (n + dr) ** -0.5
+        if scaling and scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
+            scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
+        out["query_scale"] = scale
+    if scaling and scaling.get("rope_type") == "yarn":
+        out["rope_attention_factor"] = yarn_attention_factor(scaling)
+    return out
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """YaRN's factor on cos / sin, as transformers computes it: attention_factor when given, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given, else mscale(factor)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return yarn_mscale(factor, float(scaling["mscale"])) / yarn_mscale(factor, float(scaling["mscale_all_dim"]))
+    return yarn_mscale(factor)
 
 
 def canonical_name(hf_name: str, gemma: bool, n_layers: int | None = None) -> str | None:
@@ -127,15 +207,17 @@ def canonical_name(hf_name: str, gemma: bool, n_layers: int | None = None) -> st
     if not m:
         return None
     layer, part, kind = m.groups()
+    if kind == "e_score_correction_bias":  # a buffer of the router, named without .weight
+        part, kind = f"{part}.{kind}", "weight"
     suffix = ".bias" if kind == "bias" else ""
     if hf_name.startswith("model.mtp_layers.") or (n_layers is not None and int(layer) >= n_layers):
         i = int(layer) - (0 if hf_name.startswith("model.mtp_layers.") else n_layers)
-        short = _MTP.get(part) or _LAYER.get(part) or f"hf.{part}"
+        short = _MTP.get(part) or _layer_short(part) or f"hf.{part}"
         return f"mtp.{i}.{short}{suffix}"
     if gemma and part == "post_attention_layernorm":
         short = "post_attention_norm"
-    elif part in _LAYER:
-        short = _LAYER[part]
+    elif _layer_short(part):
+        short = _layer_short(part)
     else:
         return f"blk.{layer}.hf.{part}{suffix}"  # kept, unused by the trunk
     return f"blk.{layer}.{short}{suffix}"
@@ -200,7 +282,7 @@ def read_hf(folder: Path) -> LoadedModel:
                 t = t + 1.0
             if hf_name.endswith("input_proj.weight"):  # MiMo: [hidden; embedding] -> canonical [embedding; hidden]
                 t = torch.cat(t.chunk(2, dim=1)[::-1], dim=1)
-            return t
+            return rope_layout(args, name, t)
 
         return load
 
