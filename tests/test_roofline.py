@@ -220,6 +220,7 @@ def test_roofline_command_quick(tmp_path, capsys):
     assert all(len(p["speedup"]) == 8 and 0 <= p["best_k"] <= 8 for p in r["predictions"])
     assert r["phases"]["prefill"]["intensity"] > r["phases"]["decode"]["intensity"]
     assert r["machine"]["torch"] and r["settings"]["context"] == 16
+    assert "moe" not in r  # a dense model's report has no MoE part
     assert "| T | ms per forward" in captured.out and "best K" in captured.out
     data = out_png.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 20_000
@@ -252,3 +253,134 @@ def test_plot_bench_writes_png(tmp_path):
     plot_bench(report, path)
     data = path.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 20_000
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mixture of experts: the distinct experts a verification reads
+
+
+@pytest.mark.parametrize("E,k", [(8, 2), (64, 6), (128, 8)])
+def test_expected_distinct_experts_matches_monte_carlo(E, k):
+    """E (1 - (1 - k/E)^T) against uniform independent routing simulated: each token a random k-subset of E."""
+    import torch
+
+    from specdec.bench.roofline import expected_distinct_experts
+
+    g = torch.Generator().manual_seed(E * 100 + k)
+    trials = 4000
+    for t in (1, 2, 3, 5, 9, 32):
+        picks = torch.rand(trials, t, E, generator=g).argsort(dim=-1)[..., :k]  # [trials, t, k], k distinct each
+        touched = torch.zeros(trials, E, dtype=torch.bool).scatter_(1, picks.reshape(trials, -1), True)
+        simulated = touched.sum(dim=1).double()
+        # 4000 trials: the mean is within ~5 standard errors, well under 1.5% of E
+        assert expected_distinct_experts(E, k, t) == pytest.approx(simulated.mean().item(),
+                                                                   abs=5 * simulated.std().item() / trials**0.5 + 1e-9)
+    assert expected_distinct_experts(E, k, 1) == pytest.approx(k)
+    assert expected_distinct_experts(E, k, 10**6) == pytest.approx(E)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_models(tmp_path_factory):
+    import torch
+    from tiny_moe import write_moe_hf
+
+    from specdec.models.transformer import Transformer
+    from specdec.weights import read_model
+
+    out = {}
+    for arch in ("qwen3_moe", "deepseek_v2"):  # qwen3_moe: layer 1 dense (mlp_only_layers); deepseek_v2: MLA,
+        folder, _, _ = write_moe_hf(arch, tmp_path_factory.mktemp(arch) / arch, seed=3)  # 2 shared, first dense
+        lm = read_model(folder)
+        out[arch] = Transformer(lm.args, lm.weights, torch.float32, "none", max_len=64)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_moe_weight_bytes_grow_with_the_expert_union(tiny_moe_models, arch):
+    from specdec.bench.roofline import expected_distinct_experts, moe_layout, moe_weight_bytes
+
+    m = tiny_moe_models[arch]
+    a = m.args
+    layout = moe_layout(m)
+    moe_layers = [layer for layer in m.layers if layer.moe is not None]
+    assert layout["moe_layers"] == len(moe_layers) == sum(a.moe_layers) == 2
+    # one expert: gate|up [2 x 32, 64] and down [64, 32] in f32
+    assert layout["expert_bytes"] == [3 * 32 * 64 * 4] * 2
+    # everything the model holds = the fixed part + all E experts of every MoE layer (+ the embedding lookup table
+    # when untied, which a forward reads only T rows of and is not counted)
+    held = sum(t.numel() * t.element_size() for layer in m.layers for t in layer.tensors())
+    held += sum(t.numel() * t.element_size() for t in m.output.tensors() + [m.output_norm])
+    assert layout["all_bytes"] == held
+    assert moe_weight_bytes(layout, m.weight_bytes, 1) == m.weight_bytes == layout["active_bytes"]
+    eb = sum(layout["expert_bytes"])
+    for t in (2, 3, 5, 9, 64):
+        want = m.weight_bytes + eb * (expected_distinct_experts(a.n_experts, a.n_experts_used, t) - a.n_experts_used)
+        assert moe_weight_bytes(layout, m.weight_bytes, t) == round(want)
+    assert moe_weight_bytes(layout, m.weight_bytes, 10**4) == layout["all_bytes"]  # every expert, eventually
+    # measured routing: k distinct experts at T = 1, between k and min(E, T k) at T = 3, bytes to match
+    distinct = {1: [a.n_experts_used] * 2, 3: [5, 6]}
+    assert moe_weight_bytes(layout, m.weight_bytes, 1, distinct[1]) == m.weight_bytes
+    assert moe_weight_bytes(layout, m.weight_bytes, 3, distinct[3]) == (layout["fixed_bytes"]
+                                                                        + 5 * eb // 2 + 6 * eb // 2)
+
+
+def test_measured_distinct_experts(tiny_moe_models):
+    from specdec.bench.roofline import measured_distinct_experts
+
+    m = tiny_moe_models["qwen3_moe"]
+    k, E = m.args.n_experts_used, m.args.n_experts
+    got = measured_distinct_experts(m, 4, [1, 3, 8])
+    assert got[1] == [k, k]
+    assert all(k <= d <= min(E, 3 * k) for d in got[3]) and all(k <= d <= E for d in got[8])
+
+
+def test_matmul_params_moe_and_mla_by_hand():
+    from specdec.bench.roofline import matmul_params
+
+    # qwen3-moe-like: 2 layers, the first dense; dim 8, 2 heads of 4 (+ 1 kv head), 4 experts of 6, 2 used
+    moe = ModelArgs(arch="qwen3_moe", vocab_size=100, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4,
+                    ffn_dim=16, n_experts=4, n_experts_used=2, moe_ffn_dim=6, moe_layers=[False, True])
+    attn = 64 + 32 + 32 + 64
+    # dense layer 192 + 384; MoE layer 192 + router 4 x 8 + 2 experts x 3 x 8 x 6; head 800
+    assert matmul_params(moe) == (attn + 384) + (attn + 32 + 2 * 144) + 800
+    # MLA (no q low-rank) with 1 shared expert: q 8 x 2 x (3 + 2), kv_a 8 x (4 + 2), W_UK / W_UV 2 x (3 + 5) x 4,
+    # o 2 x 5 x 8
+    mla = ModelArgs(arch="deepseek_v2", vocab_size=100, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=5,
+                    ffn_dim=16, n_experts=4, n_experts_used=2, moe_ffn_dim=6, n_shared_experts=1, attention="mla",
+                    kv_lora_rank=4, qk_nope_dim=3, qk_rope_dim=2, v_head_dim=5)
+    assert matmul_params(mla) == (80 + 48 + 64 + 80) + 32 + 3 * 144 + 800
+    assert kv_bytes_per_token(mla, 2) == 1 * (4 + 2) * 2  # one latent vector per layer, not K and V
+
+
+def test_dense_roofline_counts_unchanged():
+    from specdec.bench.roofline import moe_weight_bytes
+
+    assert moe_weight_bytes(None, 1234, 1) == moe_weight_bytes(None, 1234, 9) == 1234
+    assert forward_counts(SMALL, 1000, 32, 3, 5)["bytes"] == 1352  # as test_forward_counts_by_hand
+
+
+def test_roofline_command_moe_quick(tmp_path, capsys):
+    from tiny_moe import write_moe_hf
+
+    from specdec.cli import main
+
+    folder, _, _ = write_moe_hf("qwen3_moe", tmp_path / "moe", seed=2, tokenizer=True)
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["roofline", "-m", str(folder), "--quick", "--context", "8", "-t", "1", "--json", str(out_json),
+               "--png", str(out_png)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    r = json.loads(out_json.read_text())
+    moe = r["moe"]
+    assert (moe["n_experts"], moe["k"], moe["moe_layers"]) == (8, 2, 2)
+    curve = {c["t"]: c for c in moe["curve"]}
+    assert list(curve) == [1, 2, 4]
+    assert curve[1]["measured_ratio"] == curve[1]["moe_calibrated_ratio"] == curve[1]["dense_roofline_ratio"] == 1.0
+    assert curve[1]["weight_bytes"] == r["model"]["weight_bytes"] and curve[1]["measured_distinct"] == 2
+    # the union of experts grows with T, so verifying costs more than on a dense model of the same active size
+    assert curve[4]["weight_bytes"] > curve[2]["weight_bytes"] > curve[1]["weight_bytes"]
+    assert curve[4]["moe_calibrated_ratio"] > curve[4]["dense_calibrated_ratio"]
+    assert curve[4]["moe_roofline_ratio"] >= curve[4]["dense_roofline_ratio"]
+    assert [row["bytes"] for row in r["forward"]] == sorted(row["bytes"] for row in r["forward"])
+    assert "mixture of experts: 2 of 3 layers" in captured.out and "| T | experts/layer expected" in captured.out
+    assert out_png.read_bytes()[:8] == PNG_MAGIC

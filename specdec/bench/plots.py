@@ -99,7 +99,12 @@ def plot_roofline(report: dict, path: str | Path) -> None:
     (FLOPs / matmul FLOP/s); (right) predicted speedup vs draft length K for each acceptance rate, best K marked."""
     rows = report["forward"]
     p = report["peaks"]
-    fig, (ax, ax2) = _figure(13, 5.2, 2)
+    moe = report.get("moe")
+    if moe:  # a third panel: MoE verification cost vs a dense model of the same active size
+        fig, (ax, ax2, ax3) = _figure(19, 5.2, 3)
+        _plot_moe(ax3, moe)
+    else:
+        fig, (ax, ax2) = _figure(13, 5.2, 2)
     ts = [r["t"] for r in rows]
     ax.plot(ts, [r["seconds"] * 1e3 for r in rows], "o-", color="C0", lw=2, label="measured forward (median)")
     ax.plot(ts, [r["bandwidth_floor_s"] * 1e3 for r in rows], "--", color="C1",
@@ -152,3 +157,29 @@ def plot_roofline(report: dict, path: str | Path) -> None:
                  f"on {_machine_line(report['machine'])}")
     fig.tight_layout()
     fig.savefig(path)
+
+
+def _plot_moe(ax, moe: dict) -> None:
+    """v(T) / v(1) of a mixture-of-experts model: measured, predicted from the distinct experts T tokens touch, and
+    predicted for a dense model of the same active bytes per token."""
+    c = moe["curve"]
+    ts = [x["t"] for x in c]
+    ax.plot(ts, [x["measured_ratio"] for x in c], "o-", color="C0", lw=2, label="measured")
+    ax.plot(ts, [x["moe_calibrated_ratio"] for x in c], "s--", color="C3",
+            label="MoE predicted: E(1-(1-k/E)^T) experts/layer, calibrated")
+    if any(x["measured_distinct"] is not None for x in c):
+        ax.plot(ts, [x["moe_measured_routing_calibrated_ratio"] for x in c], ":", color="C3", alpha=0.6,
+                label="MoE predicted, measured routing")
+    ax.plot(ts, [x["dense_calibrated_ratio"] for x in c], "^--", color="C7",
+            label="dense model, same active bytes, calibrated")
+    ax.plot(ts, [x["moe_roofline_ratio"] for x in c], "-", color="C3", alpha=0.35, label="MoE roofline")
+    ax.plot(ts, [x["dense_roofline_ratio"] for x in c], "-", color="C7", alpha=0.35, label="dense roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ts)
+    ax.set_xticklabels([str(t) for t in ts], fontsize=8)
+    ax.set_xlabel("T, new tokens per forward (log scale)")
+    ax.set_ylabel("v(T) / v(1), forward time relative to one decode step")
+    ax.set_title(f"MoE verification: {moe['k']} of {moe['n_experts']} experts per token, "
+                 f"{moe['moe_layers']} MoE layers")
+    ax.legend(fontsize=7.5, loc="upper left")
+    ax.grid(alpha=0.3, which="both")

@@ -14,7 +14,11 @@ What it measures, all in one process so the ratios are comparable:
 - achieved FLOP/s of a large matmul in the model's activation dtype;
 - v(T): one target forward over T new tokens against a KV cache holding `context` tokens, exactly as speculative
   verification runs it (`exact=True`);
-- c: seconds per drafted token of a draft model (-md), relative to v(1); 0 for n-gram lookup.
+- c: seconds per drafted token of a draft model (-md), relative to v(1); 0 for n-gram lookup;
+- of a mixture-of-experts model: the bytes a forward over T tokens reads (the fixed part + the union of the T tokens'
+  routed experts, expected_distinct_experts under uniform routing, and as its routers actually spread random
+  tokens), and v(T) / v(1) measured vs predicted for it and for a dense model of the same active bytes: verifying
+  costs a MoE model more than a dense one because every extra token may bring experts of its own.
 """
 
 from __future__ import annotations
@@ -197,30 +201,111 @@ def draft_cost(draft_model, context: int, n_tokens: int = 8, repeats: int = 5, w
 
 
 def kv_bytes_per_token(args: ModelArgs, element_size: int) -> int:
-    """Bytes of K and V one token occupies in the cache, all layers together."""
+    """Bytes of K and V one token occupies in the cache, all layers together (MLA: its one latent vector,
+    kv_lora_rank + rope dims, per layer)."""
+    if args.attention == "mla":
+        return args.n_layers * (args.kv_lora_rank + args.qk_rope_dim) * element_size
     return args.n_layers * 2 * args.n_kv_heads * args.head_dim * element_size
 
 
 def matmul_params(args: ModelArgs) -> int:
-    """Weights every token multiplies: q, k, v, o, gate, up, down in each layer, and the output head."""
-    q_out, kv_out = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    per_layer = args.dim * q_out + 2 * args.dim * kv_out + q_out * args.dim + 3 * args.dim * args.ffn_dim
-    return args.n_layers * per_layer + args.vocab_size * args.dim
+    """Weights every token multiplies: q, k, v, o, gate, up, down in each layer, and the output head.
+
+    A mixture-of-experts layer counts its router, its shared experts and the k routed experts a token runs (not
+    all E); MLA counts q (or q_a, q_b), kv_a, the absorbed up-projections W_UK, W_UV and o."""
+    D = args.dim
+    if args.attention == "mla":
+        H, qk, r = args.n_heads, args.qk_nope_dim + args.qk_rope_dim, args.kv_lora_rank
+        q = D * args.q_lora_rank + args.q_lora_rank * H * qk if args.q_lora_rank else D * H * qk
+        attn = q + D * (r + args.qk_rope_dim) + H * (args.qk_nope_dim + args.v_head_dim) * r + H * args.v_head_dim * D
+    else:
+        q_out, kv_out = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        attn = D * q_out + 2 * D * kv_out + q_out * D
+    dense = attn + 3 * D * args.ffn_dim
+    moe = attn + D * args.n_experts + 3 * D * args.moe_ffn_dim * (args.n_experts_used + args.n_shared_experts)
+    n_moe = sum(args.moe_layers) if args.n_experts else 0
+    return (args.n_layers - n_moe) * dense + n_moe * moe + args.vocab_size * D
+
+
+def expected_distinct_experts(n_experts: int, k: int, t: int) -> float:
+    """Expected number of distinct experts that t tokens touch in one layer, each token routed to k of E experts.
+
+    Assumption: uniform, independent routing (each token's k experts a uniformly random k-subset of the E, the
+    tokens independent of each other). Then one expert is missed by one token with probability 1 - k / E and by all
+    t with (1 - k / E)^t, so E[distinct] = E (1 - (1 - k / E)^t): k for t = 1, growing towards E. Real routers are
+    skewed (popular experts) and consecutive tokens correlated, both of which make the union smaller than this, so
+    this is an upper estimate of the experts a verification reads; measured_distinct_experts() counts them."""
+    if t <= 0 or k <= 0:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** t)
+
+
+def moe_layout(model) -> dict | None:
+    """What a forward of a mixture-of-experts model reads, split into the part every forward reads whatever T
+    (attention, router, shared experts, dense layers, head, norms) and the routed experts (per MoE layer: the bytes
+    of one expert); None for a dense model."""
+    layers = [layer for layer in model.layers if getattr(layer, "moe", None) is not None]
+    if not layers:
+        return None
+    args = model.args
+    expert_bytes = [layer.moe.expert_bytes() for layer in layers]
+    return {"n_experts": args.n_experts, "k": args.n_experts_used, "n_shared": args.n_shared_experts,
+            "moe_layers": len(layers), "n_layers": args.n_layers, "expert_bytes": expert_bytes,
+            "fixed_bytes": model.weight_bytes - args.n_experts_used * sum(expert_bytes),
+            "active_bytes": model.weight_bytes, "all_bytes": model.weight_bytes
+            + (args.n_experts - args.n_experts_used) * sum(expert_bytes)}
+
+
+def moe_weight_bytes(layout: dict | None, active_bytes: int, t: int, distinct: Sequence[float] | None = None) -> int:
+    """Bytes of weights one forward over t tokens reads: the fixed part + per MoE layer (the distinct experts the t
+    tokens touch) x (one expert's bytes). distinct: measured distinct experts per MoE layer for this t; None: the
+    uniform-routing expectation (expected_distinct_experts). A dense model (layout None) reads active_bytes
+    whatever t; at t = 1 a MoE model reads exactly Transformer.weight_bytes (k experts per layer)."""
+    if layout is None:
+        return active_bytes
+    if distinct is None:
+        distinct = [expected_distinct_experts(layout["n_experts"], layout["k"], t)] * layout["moe_layers"]
+    return round(layout["fixed_bytes"] + sum(d * b for d, b in zip(distinct, layout["expert_bytes"], strict=True)))
+
+
+def measured_distinct_experts(model, context: int, ts: Sequence[int], seed: int = 7) -> dict[int, list[int]]:
+    """Distinct routed experts each MoE layer actually ran in one exact forward over T random tokens after
+    `context` cached ones, for each T (models/moe.py records it per call): the measured counterpart of
+    expected_distinct_experts(). Random tokens, so this measures the router's spread on this model's weights, not
+    the correlation of real text."""
+    layers = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
+    cache = _cache_for(model, context, max(ts))
+    vocab = model.args.vocab_size
+    out = {}
+    with torch.inference_mode():
+        if context:
+            model.prefill(_random_tokens(context, vocab, 0), cache)
+        for t in sorted(set(ts)):
+            ids = torch.tensor([_random_tokens(t, vocab, seed + t)], device=model.device)
+            model(ids, torch.arange(context, context + t, device=model.device), cache, exact=True)
+            cache.rollback(context)
+            out[t] = [moe.last_distinct for moe in layers]
+    return out
 
 
 def forward_counts(args: ModelArgs, weight_bytes: int, kv_bytes_per_token: int, t: int, context: int) -> dict:
     """Bytes moved and FLOPs of one forward over t new tokens after `context` cached tokens.
 
-    bytes = the weights, read once whatever t (`weight_bytes`, as the model stores them) + the KV cache read for
-    context + t tokens + the t new tokens' K and V written. Activations are not counted: at these sizes they stay
-    in cache.
+    bytes = the weights, read once whatever t (`weight_bytes`, as the model stores them; of a MoE model those a
+    forward over t tokens reads, moe_weight_bytes) + the KV cache read for context + t tokens + the t new tokens' K
+    and V written. Activations are not counted: at these sizes they stay in cache.
     flops = 2 x (matmul parameters incl. the output head) x t + attention, per layer 2 x 2 x t x (context + t) x
     n_heads x head_dim (q k^T and p v, each a multiply-add per element; the causal half of the new block is counted
-    as if attended, and sliding-window layers as if full, so this is an upper bound). Norms, RoPE and softmax are
-    left out (O(t x dim), negligible)."""
+    as if attended, and sliding-window layers as if full, so this is an upper bound; MLA, absorbed: 2 x t x
+    (context + t) x n_heads x (2 kv_lora_rank + rope dims)). Norms, RoPE and softmax are left out (O(t x dim),
+    negligible)."""
     kv_read = kv_bytes_per_token * (context + t)
     kv_written = kv_bytes_per_token * t
-    attention = args.n_layers * 2 * 2 * t * (context + t) * args.n_heads * args.head_dim
+    if args.attention == "mla":  # absorbed: every head scores [r + d_r] latents and sums r-wide values per slot
+        per_slot = args.n_heads * (2 * args.kv_lora_rank + args.qk_rope_dim)
+        attention = args.n_layers * 2 * t * (context + t) * per_slot
+    else:
+        attention = args.n_layers * 2 * 2 * t * (context + t) * args.n_heads * args.head_dim
     flops = 2 * matmul_params(args) * t + attention
     nbytes = weight_bytes + kv_read + kv_written
     return {"bytes": nbytes, "flops": flops, "intensity": flops / nbytes if nbytes else float("inf"),
@@ -295,9 +380,11 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
 
     read_bw = bw["read"] * 1e9
     kvt = kv_bytes_per_token(model.args, torch.empty((), dtype=model.dtype).element_size())
+    layout = moe_layout(model)
+    wbt = lambda t: moe_weight_bytes(layout, wb, t)  # noqa: E731  (wb whatever t for a dense model)
     rows = []
     for t in ts:
-        n = forward_counts(model.args, wb, kvt, t, context)
+        n = forward_counts(model.args, wbt(t), kvt, t, context)
         s = costs[t]
         floors = (n["bytes"] / read_bw, n["flops"] / flops_peak)
         rows.append({"t": t, "seconds": s, "ratio": s / costs[1], "bandwidth_floor_s": floors[0],
@@ -306,10 +393,10 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
                      "achieved_gflop_s": n["flops"] / s / 1e9, "intensity": n["intensity"], "bytes": n["bytes"],
                      "flops": n["flops"]})
     ridge = flops_peak / read_bw
-    phases = {"prefill": forward_counts(model.args, wb, kvt, PREFILL_T, 0),
-              "decode": forward_counts(model.args, wb, kvt, 1, context)}
+    phases = {"prefill": forward_counts(model.args, wbt(PREFILL_T), kvt, PREFILL_T, 0),
+              "decode": forward_counts(model.args, wbt(1), kvt, 1, context)}
     for k in (1, 2, 4, 8):
-        phases[f"verify K={k}"] = forward_counts(model.args, wb, kvt, k + 1, context)
+        phases[f"verify K={k}"] = forward_counts(model.args, wbt(k + 1), kvt, k + 1, context)
     for name, n in phases.items():
         n["t"] = PREFILL_T if name == "prefill" else (1 if name == "decode" else int(name.split("=")[1]) + 1)
         n["context"] = 0 if name == "prefill" else context
@@ -321,7 +408,12 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
     predictions = [dict(predict(v, c, a), proposer=name) for name, c in proposers for a in alphas]
     machine = machine_info()
     machine.update(device=str(dev), cpu_capability=_cpu_capability())
-    return {
+    moe = None
+    if layout is not None:
+        progress("mixture of experts: distinct experts each layer runs in one forward over T random tokens ...")
+        distinct = measured_distinct_experts(model, context, ts)
+        moe = moe_report(model.args, layout, kvt, context, costs, distinct, read_bw, flops_peak)
+    report = {
         "machine": machine,
         "model": {"path": str(target.path), "name": _model_name(target), "file_type": target.file_type,
                   "quant": model.quant, "dtype": _dtype_name(model.dtype), "weight_bytes": wb,
@@ -342,6 +434,54 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
         "settings": {"context": context, "alphas": list(alphas), "quick": quick, "exact": True, "ts": list(ts),
                      "repeats": repeats, "warmup": warmup, "k_max": K_MAX, "threads": torch.get_num_threads()},
     }
+    if moe is not None:  # only MoE models have the key: dense reports stay as they were
+        report["moe"] = moe
+    return report
+
+
+def predicted_ratios(bytes_of: Callable[[int], float], flops_of: Callable[[int], float], t: int, read_bw: float,
+                     flops_peak: float, v1: float) -> tuple[float, float]:
+    """Two predictions of v(t) / v(1) from bytes and FLOPs per forward:
+    - roofline: max(bytes / read bandwidth, FLOPs / matmul peak) at t over the same at 1;
+    - calibrated: the T = 1 forward's measured time v1 spread over its bytes (the achieved decode GB/s, per-op
+      overheads included), so t tokens take bytes(t) at that rate plus their extra FLOPs at the matmul peak:
+      (v1 bytes(t) / bytes(1) + (FLOPs(t) - FLOPs(1)) / peak) / v1."""
+    floor = lambda x: max(bytes_of(x) / read_bw, flops_of(x) / flops_peak)  # noqa: E731
+    calibrated = bytes_of(t) / bytes_of(1) + (flops_of(t) - flops_of(1)) / flops_peak / v1
+    return floor(t) / floor(1), calibrated
+
+
+def moe_report(args: ModelArgs, layout: dict, kvt: int, context: int, costs: dict[int, float],
+               distinct: dict[int, list[int]], read_bw: float, flops_peak: float) -> dict:
+    """The "moe" part of a roofline report: per T, the distinct experts (expected under uniform independent routing,
+    and measured), the bytes read, and v(T) / v(1) measured vs predicted (module predicted_ratios) for this MoE
+    model and for a dense model of the same active bytes per token (the same FLOPs, weights read once whatever T)."""
+    wb = layout["active_bytes"]
+    weights = {"moe": lambda t: moe_weight_bytes(layout, wb, t),  # uniform routing
+               "measured": lambda t: moe_weight_bytes(layout, wb, t, distinct.get(t)),  # the measured routing
+               "dense": lambda t: wb}  # a dense model of the same active bytes: its weights read once whatever t
+    curve = []
+    for t in sorted(costs):
+        pred = {}
+        for name, w in weights.items():
+            n = lambda x, w=w: forward_counts(args, w(x), kvt, x, context)  # noqa: E731
+            pred[name] = predicted_ratios(lambda x, n=n: n(x)["bytes"], lambda x, n=n: n(x)["flops"], t, read_bw,
+                                          flops_peak, costs[1])
+        curve.append({"t": t, "expected_distinct": expected_distinct_experts(layout["n_experts"], layout["k"], t),
+                      "measured_distinct": sum(distinct[t]) / len(distinct[t]) if t in distinct else None,
+                      "weight_bytes": weights["moe"](t), "weight_bytes_measured_routing": weights["measured"](t),
+                      "measured_ratio": costs[t] / costs[1],
+                      "moe_roofline_ratio": pred["moe"][0], "moe_calibrated_ratio": pred["moe"][1],
+                      "moe_measured_routing_calibrated_ratio": pred["measured"][1],
+                      "dense_roofline_ratio": pred["dense"][0], "dense_calibrated_ratio": pred["dense"][1]})
+    return {**{k: layout[k] for k in ("n_experts", "k", "n_shared", "moe_layers", "n_layers", "fixed_bytes",
+                                       "active_bytes", "all_bytes")},
+            "expert_bytes": layout["expert_bytes"][0] if len(set(layout["expert_bytes"])) == 1
+            else layout["expert_bytes"],
+            "routing_assumption": "uniform independent: each token a uniformly random k-subset of the E experts, "
+                                  "tokens independent; E[distinct of T tokens] = E (1 - (1 - k/E)^T)",
+            "measured_routing": "distinct experts per MoE layer in one exact forward over T random tokens",
+            "curve": curve}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -383,6 +523,8 @@ def print_report(r: dict) -> None:
     print(f"decode (T=1) takes {t1['x_roofline']:.1f}x its roofline floor ({bound * 1e3:.2f} ms; "
           f"{t1['bandwidth_floor_at_weight_size_s'] * 1e3:.2f} ms at the read speed of a working set the size of "
           f"the weights)" + ("; the rest is per-op overhead, not memory traffic" if t1["x_roofline"] > 2 else ""))
+    if r.get("moe"):
+        print_moe(r["moe"])
     print(f"\narithmetic intensity vs the ridge ({p['ridge_flop_per_byte']:.1f} FLOP/byte):")
     for name, n in r["phases"].items():
         print(f"  {name:<12} T={n['t']:<4} {n['intensity']:8.2f} FLOP/byte  {n['x_ridge']:6.2f}x the ridge: "
@@ -399,6 +541,29 @@ def print_report(r: dict) -> None:
     for q in preds:
         verdict = "plain decoding (speculation is a loss)" if q["best_k"] == 0 else f"K = {q['best_k']}"
         print(f"best K, {q['proposer']} alpha {q['alpha']:g}: {verdict}, predicted {q['best_speedup']:.2f}x")
+
+
+def print_moe(moe: dict) -> None:
+    """The mixture-of-experts table of a roofline report: verification cost, MoE vs dense of the same active size."""
+    eb = moe["expert_bytes"] if isinstance(moe["expert_bytes"], int) else max(moe["expert_bytes"])
+    print(f"\nmixture of experts: {moe['moe_layers']} of {moe['n_layers']} layers route each token to {moe['k']} of "
+          f"{moe['n_experts']} experts ({eb / 1e6:.2f} MB each"
+          + (f", + {moe['n_shared']} shared" if moe["n_shared"] else "") + f"); a token reads "
+          f"{moe['active_bytes'] / 1e6:.1f} MB ({moe['fixed_bytes'] / 1e6:.1f} MB whatever T + its experts) of "
+          f"{moe['all_bytes'] / 1e6:.1f} MB")
+    print("verifying T tokens reads the union of their experts: E (1 - (1 - k/E)^T) per layer under uniform "
+          "independent routing (measured: random tokens through this model's routers). v(T)/v(1), measured vs "
+          "predicted for this model and for a dense model of the same active bytes (roofline: max of the floors; "
+          "calibrated: bytes at the T=1 forward's achieved GB/s + extra FLOPs at the matmul peak):")
+    print("| T | experts/layer expected | measured | MB read | v(T)/v(1) measured | MoE calibrated | MoE calibrated, "
+          "measured routing | MoE roofline | dense calibrated | dense roofline |")
+    print("|---" * 10 + "|")
+    for c in moe["curve"]:
+        md = "-" if c["measured_distinct"] is None else f"{c['measured_distinct']:.1f}"
+        print(f"| {c['t']} | {c['expected_distinct']:.1f} | {md} | {c['weight_bytes'] / 1e6:.1f} | "
+              f"{c['measured_ratio']:.2f} | {c['moe_calibrated_ratio']:.2f} | "
+              f"{c['moe_measured_routing_calibrated_ratio']:.2f} | {c['moe_roofline_ratio']:.2f} | "
+              f"{c['dense_calibrated_ratio']:.2f} | {c['dense_roofline_ratio']:.2f} |")
 
 
 def cmd_roofline(args) -> int:
