@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_moe import ARCHS, moe_config, write_moe_hf
+from tiny_moe import ARCHS, IDS, assert_close, moe_config, write_moe_hf
 
 from specdec.models.moe import route
 from specdec.models.transformer import Transformer
 from specdec.weights import read_model
 from specdec.weights.hf import args_from_config
-
-IDS = [1, 504, 3458, 314, 253, 1789, 30, 2115, 9004, 17, 1380, 2]
-REL_TOL = 1e-4
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    err, scale = (a - b).abs().max().item(), b.abs().max().item()
-    assert err <= REL_TOL * scale, f"max abs diff {err:.3g} vs logit scale {scale:.3g}"
 
 
 @pytest.fixture(scope="module")

@@ -10,20 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_moe import write_moe_hf
+from tiny_moe import IDS, assert_close, write_moe_hf
 
 from specdec.models.mtp import load_mtp_modules
 from specdec.models.transformer import Transformer
 from specdec.weights import read_model
-
-IDS = [1, 504, 3458, 314, 253, 1789, 30, 2115, 9004, 17, 1380, 2]
-REL_TOL = 1e-4
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    err, scale = (a - b).abs().max().item(), b.abs().max().item()
-    assert err <= REL_TOL * scale, f"max abs diff {err:.3g} vs scale {scale:.3g}"
 
 
 def rmsnorm(x, w, eps):

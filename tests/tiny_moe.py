@@ -275,3 +275,13 @@ def write_moe_gguf(arch: str, path: Path, cfg: dict, sd: dict[str, torch.Tensor]
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+IDS = [1, 504, 3458, 314, 253, 1789, 30, 2115, 9004, 17, 1380, 2]  # token ids the parity tests run
+REL_TOL = 1e-4  # as in test_parity.py: f32 on both sides, max abs diff <= 1e-4 x the logit scale
+
+
+def assert_close(a, b) -> None:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err, scale = (a - b).abs().max().item(), b.abs().max().item()
+    assert err <= REL_TOL * scale, f"max abs diff {err:.3g} vs logit scale {scale:.3g}"
