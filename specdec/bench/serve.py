@@ -14,13 +14,10 @@ number of streamed chunks with text.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-
-import numpy as np
 
 
 def _httpx():
@@ -114,6 +111,8 @@ async def one_request(client, url: str, body: dict, headers: dict) -> RequestRes
 
 
 def _pct(values: list[float], q: float) -> float | None:
+    import numpy as np
+
     return float(np.percentile(values, q)) if values else None
 
 
@@ -144,6 +143,8 @@ async def run_level(url: str, clients: int, requests: int, prompts: list[str], a
             for r in range(requests):
                 results.append(await one_request(client, endpoint, body(prompts[(i * requests + r) % len(prompts)]),
                                                  headers))
+
+        import asyncio
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(i) for i in range(clients)))
@@ -219,6 +220,8 @@ def cmd_bench_serve(args) -> int:
         raise ValueError("--requests must be >= 1")
     parse_clients(args.clients)
     print(HEADER, file=sys.stderr)
+    import asyncio  # here, not at the top: `specdec generate` builds this command's parser too
+
     try:
         report = asyncio.run(bench(args.url, args))
     except OSError as e:

@@ -44,9 +44,11 @@ def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None,
         return SuffixProposer()
     if spec.kind == "auto":
         from .auto import AutoProposer
+        from .ngram import NgramProposer
         from .suffix import SuffixProposer
 
-        sources: dict = {"suffix": SuffixProposer()}
+        # both lookups: the suffix automaton finds the longest match, the n-gram table the most recent one
+        sources: dict = {"suffix": SuffixProposer(), "ngram": NgramProposer(spec.ngram_min, spec.ngram_max)}
         if index is not None:
             from .suffix import GlobalSuffixProposer
 

@@ -81,6 +81,9 @@ class AutoProposer:
         """This step's draft (at most `cap` tokens) and the name of the source that made it (None: no draft)."""
         best: tuple[float, str | None, int, int | None, Draft | None] = (0.0, None, 0, None, None)
         probe = None
+        first = next(iter(self.policies.values()))  # v(T) / v(1) once for every source: they share the curve
+        table = [0.0] + [first.verify_cost(t) for t in range(1, first.draft_max + 2)]
+        vc = table.__getitem__
         for name, src in self.sources.items():
             pol = self.policies[name]
             cls = src.draft_class() if hasattr(src, "draft_class") else None
@@ -88,15 +91,18 @@ class AutoProposer:
             if getattr(src, "costless", False):
                 candidate = src.propose(pol.draft_max)
                 pol.watch(candidate.tokens, cls)
-            k = min(pol.choose(cls), cap)
+            k = pol.choose(cls, vc)
             if k <= 0:
                 continue
             if pol.probing:
-                probe = probe or (name, k, cls, candidate)
+                probe = probe or (name, min(k, cap), cls, candidate)
                 continue
-            base = pol.forward_s(1)
-            c = pol.draft_s_per_token / base if (pol.draft_s_per_token is not None and base) else 0.0
-            s = speedup(pol.acceptance(cls)[:k], c, pol.verify_cost)
+            s = pol.predicted
+            if k > cap:  # the end of the sequence or the context is nearer than the best K
+                k = cap
+                base = pol.forward_s(1)
+                c = pol.draft_s_per_token / base if (pol.draft_s_per_token is not None and base) else 0.0
+                s = speedup(pol.acceptance(cls)[:k], c, vc)
             if s > best[0]:
                 best = (s, name, k, cls, candidate)
         _, name, k, cls, candidate = best

@@ -25,6 +25,8 @@ draft token x is accepted with probability p(x), and the emitted token equals x 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .costmodel import best_k, interpolate
 
 
@@ -61,6 +63,7 @@ class AutoDraftLength:
         self.verify_s: dict[int, float] = {}  # T -> EMA seconds of a target forward over T tokens
         self.draft_s_per_token: float | None = None
         self.since_draft = 0
+        self.predicted = 1.0  # the predicted speedup of the last choice
         self.watching: list[tuple] = []  # (candidate, draft class, tokens matched so far) awaiting emitted tokens
         self.watched = False  # full-information feedback: counts come from watch() / emitted(), not update()
 
@@ -89,10 +92,12 @@ class AutoDraftLength:
             return 1.0 + 0.25 * (t - 1)
         return self.forward_s(t) / base
 
-    def choose(self, draft_class: int | None = None) -> int:
+    def choose(self, draft_class: int | None = None, verify_cost: Callable[[int], float] | None = None) -> int:
+        """This step's K; verify_cost: v(T)/v(1) when the caller has it at hand (spec/auto.py tabulates it once per
+        step for all its sources). The predicted speedup of the choice is left in self.predicted."""
         base = self.forward_s(1)
         c = self.draft_s_per_token / base if (self.draft_s_per_token is not None and base) else 0.0
-        k, _ = best_k(self.acceptance(draft_class), c, self.verify_cost, self.draft_max)
+        k, self.predicted = best_k(self.acceptance(draft_class), c, verify_cost or self.verify_cost, self.draft_max)
         self.probing = k == 0 and self.since_draft >= self.probe_gap and not self.watched
         if self.probing:
             k = 1  # probe now and then, or the estimates could never recover
