@@ -43,7 +43,11 @@ class AutoProposer:
         if not sources:
             raise ValueError("--spec auto needs at least one source")
         self.sources = sources
-        self.policies = {name: AutoDraftLength(k_max, draft_min) for name in sources}
+        # a costly source starts pessimistic (it must show it pays: probes find out) so that a model whose heads lose
+        # does not pay for them while its policy learns; a costless one learns every step from watching anyway
+        self.policies = {name: AutoDraftLength(k_max, draft_min) if getattr(src, "costless", False) else
+                         AutoDraftLength(k_max, draft_min, prior_acceptance=0.3, probe_every=32)
+                         for name, src in sources.items()}
         shared: dict[int, float] = {}
         for pol in self.policies.values():  # one measured v(T) for all sources: the same target forward
             pol.verify_s = shared
@@ -90,7 +94,11 @@ class AutoProposer:
             candidate = None
             if getattr(src, "costless", False):
                 candidate = src.propose(pol.draft_max)
+                if not candidate.tokens:  # no match: nothing to draft or to learn from this step
+                    continue
                 pol.watch(candidate.tokens, cls)
+            elif pol.predicted < 1.0 and pol.since_draft % 8 and pol.since_draft < pol.probe_gap:
+                continue  # switched off and not due to probe: its estimate is rechecked every 8th step
             k = pol.choose(cls, vc)
             if k <= 0:
                 continue

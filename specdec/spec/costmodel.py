@@ -42,8 +42,11 @@ def best_k(acceptance: Sequence[float], draft_cost: float, verify_cost: Callable
            k_max: int) -> tuple[int, float]:
     """The K in [0, k_max] with the highest predicted speedup (K = 0 is plain decoding, speedup 1 / v(1))."""
     best = (0, 1.0 / verify_cost(1))
-    for k in range(1, k_max + 1):
-        s = speedup(acceptance[:k], draft_cost, verify_cost)
+    e, run = 1.0, 1.0  # E(K) built up one position at a time (called every step: no O(K^2) re-summing)
+    for k in range(1, min(k_max, len(acceptance)) + 1):
+        run *= acceptance[k - 1]
+        e += run
+        s = e / (k * draft_cost + verify_cost(k + 1))
         if s > best[1]:
             best = (k, s)
     return best
