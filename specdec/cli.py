@@ -53,8 +53,8 @@ def _speculative(p: argparse.ArgumentParser) -> None:
     p.add_argument("-md", "--model-draft", default=None, help="draft model (GGUF or HF folder) with the target's "
                                                                "vocabulary; implies --spec draft")
     p.add_argument("--spec", default=None, help="speculation: auto, none, draft, ngram, suffix, mtp (default: draft "
-                                               "when -md is given, else auto: each step the best of suffix lookup "
-                                               "and the model's MTP heads, or no draft)")
+                                               "when -md is given, else auto: each step the best of suffix and "
+                                               "n-gram lookup and the model's MTP heads, or no draft)")
     p.add_argument("--heads", default=None, help="MTP heads file from `specdec train-mtp` (default: the model's own "
                                                  "MTP modules, or heads shipped with specdec for it)")
     p.add_argument("--tree", nargs="?", const="2,2", default=None, help="MTP tree drafts: top-k branching per depth, "
@@ -222,7 +222,7 @@ def load_model(args, which: str = "model"):
 
 def spec_config(args, target=None):
     """(SpecConfig, resolved MTP drafter or None) from the speculation flags. Without --spec: draft with -md, else
-    auto (suffix lookup, plus the model's MTP modules or shipped heads when it has them, chosen step by step).
+    auto (suffix and n-gram lookup, plus the model's MTP modules or shipped heads, chosen step by step).
     --draft-max may list several values (bench): the first one is used here."""
     from .spec import SpecConfig, resolve_mtp
     from .spec.config import draft_length, parse_tree
@@ -403,7 +403,7 @@ def cmd_demo(args) -> int:
     spec = SpecConfig(kind="auto")
     mtp = resolve_mtp(target) or ()
     print(f"specdec demo: {target.path.name}, greedy; plain decoding, then the default speculation (--spec auto: "
-          f"suffix lookup{' + the MTP heads shipped for this model' if mtp else ''}, chosen step by step)\n")
+          f"suffix and n-gram lookup{' + the MTP heads shipped for this model' if mtp else ''}, chosen step by step)\n")
     generate(target.model, tok, tok.encode("Hello"), greedy, max_tokens=4)  # warm-up
     rows, same = [], True
     for what, text in DEMO_PROMPTS:
