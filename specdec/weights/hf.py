@@ -91,6 +91,15 @@ def _rope_params(cfg: dict) -> tuple[float, dict | None, float | None]:
             raise ModelError(f"rope scaling '{kind}' is not supported (linear, llama3 and yarn are)")
         else:
             scaling = dict(scaling, rope_type=kind)
+            if kind == "yarn":  # as transformers: the trained context defaults to max_position_embeddings
+                scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+            need = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
+                    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+            for key in need[kind]:
+                try:
+                    float(scaling[key])
+                except (KeyError, TypeError, ValueError):
+                    raise ModelError(f"config.json: rope_scaling of type {kind} needs a number '{key}'") from None
     local = local if local is not None else cfg.get("rope_local_base_freq")
     return theta, scaling, (float(local) if local is not None else None)
 
