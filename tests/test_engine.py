@@ -137,7 +137,7 @@ def test_prefix_start_is_the_same_as_prefilling(target):
 # lossless sampling end to end: the first three generated tokens of a prompt, at temperature 1 (top-k 6), drawn
 # 20k times through the whole step with each proposer, against the exact plain distribution computed by the model
 
-SAMPLES = 20_000
+SAMPLES = 12_000  # per proposer: 10k already fail the wrong-residual control by > 3x the critical value
 P1 = SamplingParams(temperature=1.0, top_k=6)
 REPEATED = "Say this three times: red green blue yellow. red green blue yellow. red green blue"
 
