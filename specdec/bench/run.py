@@ -85,7 +85,7 @@ def chat_prompt_ids(tokenizer, prompt: Prompt, chat: bool) -> list[int]:
 
 # bench mode -> (kind of MTP heads, tree drafts?)
 MTP_MODES = {"mtp": ("sequential", False), "mtp-tree": ("sequential", True), "medusa": ("parallel", False),
-             "medusa-tree": ("parallel", True)}
+             "medusa-tree": ("parallel", True), "eagle3": ("eagle3", False), "eagle3-tree": ("eagle3", True)}
 
 
 def plain_mode() -> Mode:
@@ -110,6 +110,8 @@ def cmd_bench(args) -> int:
             modes_wanted += ["mtp", "mtp-tree"]
         if resolve_mtp(target, None, "parallel"):
             modes_wanted += ["medusa", "medusa-tree"]
+        if resolve_mtp(target, None, "eagle3"):
+            modes_wanted += ["eagle3", "eagle3-tree"]
     if args.batch:
         return cmd_batch_bench(args, target, prompts, [m for m in modes_wanted if not m.endswith("-tree")])
     modes = build_modes(modes_wanted, target, args)
@@ -163,7 +165,7 @@ def build_modes(names: list[str], target, args) -> list[Mode]:
         elif name in MTP_MODES:
             kind = "mtp"
             heads_kind, tree_mode = MTP_MODES[name]
-            mtp = resolve_mtp(target, args.heads if heads_kind == "sequential" else None, heads_kind)
+            mtp = resolve_mtp(target, args.heads if heads_kind != "parallel" else None, heads_kind)
             if mtp is None:
                 raise ValueError(f"mode {name} needs {heads_kind} MTP heads for this model (specdec train-mtp)")
             tree = parse_tree(args.tree or "2,1") if tree_mode else None

@@ -243,11 +243,12 @@ class Block:
         return self.ffn(x)
 
     def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], c: LayerCache, start: int,
-                  plan: AttentionPlan, window: int | None) -> torch.Tensor:
-        """GQA attention with its residual: x [B, T, dim] -> [B, T, dim]."""
+                  plan: AttentionPlan, window: int | None, qkv_in: torch.Tensor | None = None) -> torch.Tensor:
+        """GQA attention with its residual: x [B, T, dim] -> [B, T, dim]. qkv_in: the projections' input when it is
+        not attn_norm(x) (EAGLE-3's draft layer projects [norm(embedding); norm(x)], models/eagle3.py)."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        qkv = self.wqkv.apply(x, norm=self.attn_norm).view(B, T, H + 2 * Hkv, D)
+        qkv = (self.wqkv.apply(x, norm=self.attn_norm) if qkv_in is None else self.wqkv(qkv_in)).view(B, T, -1, D)
         if self.qk_norm is not None:
             qk = rms_norm(qkv[:, :, :H + Hkv], None, self.eps) * self.qk_norm
             qkv = torch.cat([qk, qkv[:, :, H + Hkv:]], dim=2)
@@ -362,6 +363,8 @@ class Transformer:
         self.embed_scale = torch.tensor(args.embed_scale, dtype=dtype, device=dev)
         # MLA attends in PyTorch (its latent cache is not the kernel's layout), so each sequence decodes alone
         self.kernel = kernels.kernel_supports(dtype, dev, args.head_dim) and args.attention != "mla"
+        # layers whose inputs the hidden output also carries (EAGLE-3 heads set them; n_layers = the last output)
+        self.aux_layers: tuple[int, ...] = ()
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache(self.args.n_layers, *cache_shape(self.args), max_len or self.max_len, self.dtype, self.device,
@@ -442,17 +445,23 @@ class Transformer:
             rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
             rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(
                 positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
+        feats = {}  # layer -> its input, for the aux layers
         for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                feats[i] = x
             c = cache.layer(i)
             x = layer(x, rope_local if layer.sliding else rope, c, start, plan,
                       a.sliding_window if layer.sliding else None)
+        feats[a.n_layers] = x
         h = rms_norm(x, self.output_norm, a.norm_eps)
         logits = self.output(h if last is None else h[:, last]).float()
         if self.args.final_logit_softcap:
             cap = self.args.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
         # the hidden state MTP modules read: after the final norm, except MiMo's, which reads the residual stream
-        # before it (see models/mtp.py)
+        # before it (see models/mtp.py); EAGLE-3 heads read the inputs of the aux layers, followed by h
+        if self.aux_layers:
+            return logits, torch.cat([feats[i] for i in self.aux_layers] + [h], dim=-1)
         return logits, (x if a.mtp_layout == "mimo" else h)
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:

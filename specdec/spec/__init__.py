@@ -79,7 +79,7 @@ def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None,
                              "`specdec train-mtp -m MODEL -o heads.safetensors` and pass --heads")
         heads_kind, drafter, vocab_map = mtp[:3]
         gen = make_generator(seed, target.model.device) if not params.greedy else None
-        cls = SequentialMTP if heads_kind == "sequential" else ParallelMTP
+        cls = ParallelMTP if heads_kind == "parallel" else SequentialMTP  # EAGLE-3: one module, recursed
         return cls(drafter, params, target.model.args.vocab_size, list(spec.tree) if spec.tree else None, gen,
                    vocab_map)
     raise ModelError(f"unknown --spec '{spec.kind}': use {', '.join(SPEC_KINDS)}")

@@ -104,7 +104,8 @@ class SequentialMTP(_MTPBase):
         self.caches = [mod.new_cache() for mod in modules]
         # H[0]: the trunk's hidden states by position; H[d]: module d's outputs at real positions
         # allocated lazily (memory taken as positions are written): a server or a batch makes one per sequence
-        self.H = [lazy_zeros((m0.max_len + 1, dim), m0.dtype, m0.device) for _ in range(len(modules) + 1)]
+        widths = [getattr(m0, "in_dim", dim)] + [dim] * len(modules)  # EAGLE-3 reads the trunk's aux features
+        self.H = [lazy_zeros((m0.max_len + 1, w), m0.dtype, m0.device) for w in widths]
         self.n = [0] * (len(modules) + 1)  # positions available in H[d] (and in module d's cache, for d >= 1)
         self.first: torch.Tensor | None = None  # module 1's logits at the last position: the first draft token
 

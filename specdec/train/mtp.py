@@ -31,15 +31,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.eagle3 import default_aux_layers
 from ..models.transformer import apply_rope
+from .eagle3 import TrainEagle3, eagle3_loss
 
 FORMAT = "specdec-heads/1"
 
 
 @dataclass
 class TrainConfig:
-    kind: str = "sequential"  # sequential | parallel
-    depth: int = 1
+    kind: str = "sequential"  # sequential | parallel | eagle3
+    depth: int = 1  # sequential modules / parallel heads; eagle3: training-time-test steps
     samples: int = 2  # answers generated per training prompt
     max_new: int = 160  # tokens per answer
     temperature: float = 0.8
@@ -52,7 +54,9 @@ class TrainConfig:
     noise: float = 0.0  # std of Gaussian noise on the input hidden states while training (EAGLE's augmentation)
     ffn_dim: int = 0  # FFN width of a sequential module's block; 0 = the trunk's
     prompts: str = ""
+    data: str = ""  # a `specdec make-data` JSONL: train on its sequences instead of generating answers
     limit: int = 0  # use only this many prompts (0 = all)
+    decay: float = 1.0  # eagle3: loss weight decay^k of training-time-test step k (speculators' default 1)
     extra: dict = field(default_factory=dict)
 
 
@@ -220,21 +224,27 @@ def generate_data(target, prompts: list[str], cfg: TrainConfig, work: Path) -> l
     return seqs
 
 
-def hidden_states(target, seqs: list[list[int]], work: Path) -> list[torch.Tensor]:
-    """Stage 2: the trunk's final hidden state at every position of every sequence (bf16, cached)."""
+def hidden_states(target, seqs: list[list[int]], work: Path, aux: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """Stage 2: the trunk's final hidden state at every position of every sequence (bf16, cached); with `aux`
+    (EAGLE-3), the inputs of those layers first, concatenated: [T, (len(aux) + 1) dim]."""
 
-    path = work / "hidden.pt"
+    path = work / ("hidden.pt" if not aux else f"hidden-aux{'-'.join(map(str, aux))}.pt")
     if path.exists():
         hs = torch.load(path)
         if len(hs) == len(seqs):
             return hs
     hs = []
-    with torch.inference_mode(), _bar(len(seqs), "target hidden states") as bar:
-        for s in seqs:
-            cache = target.model.new_cache(len(s) + 1)
-            _, h = target.model.prefill(s, cache)
-            hs.append(h.to(torch.bfloat16).clone())
-            bar.update(1)
+    model = target.model
+    model.aux_layers = aux
+    try:
+        with torch.inference_mode(), _bar(len(seqs), "target hidden states") as bar:
+            for s in seqs:
+                cache = model.new_cache(len(s) + 1)
+                _, h = model.prefill(s, cache)
+                hs.append(h.to(torch.bfloat16).clone())
+                bar.update(1)
+    finally:
+        model.aux_layers = ()
     torch.save(hs, path)
     return hs
 
@@ -272,7 +282,7 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
     work.mkdir(parents=True, exist_ok=True)
     fingerprint = base_fingerprint(target)
     # the data stages depend on these settings only, so one work directory serves heads of every kind and size
-    data_cfg = {k: getattr(cfg, k) for k in ("samples", "max_new", "temperature", "seed", "prompts", "limit")}
+    data_cfg = {k: getattr(cfg, k) for k in ("samples", "max_new", "temperature", "seed", "prompts", "limit", "data")}
     meta_path = work / "data-config.json"
     run_cfg = {"data": data_cfg, "base": fingerprint}
     if meta_path.exists() and json.loads(meta_path.read_text()) != run_cfg:
@@ -280,10 +290,16 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
     _atomic_write(meta_path, json.dumps(run_cfg, indent=1))
     train_key = hashlib.sha1(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:10]
     t0 = time.perf_counter()
-    prompts = training_prompts(cfg.prompts, cfg.limit)
-    seqs = generate_data(target, prompts, cfg, work)
+    if cfg.data:  # answers made beforehand by `specdec make-data`
+        from .data import read_data
+
+        seqs = read_data(cfg.data)
+        seqs = seqs[:cfg.limit] if cfg.limit else seqs
+    else:
+        seqs = generate_data(target, training_prompts(cfg.prompts, cfg.limit), cfg, work)
     t_gen = time.perf_counter() - t0
-    hs = hidden_states(target, seqs, work)
+    aux = default_aux_layers(args.n_layers) if cfg.kind == "eagle3" else ()
+    hs = hidden_states(target, seqs, work, aux)
     ids = draft_vocab(seqs, cfg.vocab, args.vocab_size, set(target.tokenizer.eog_ids))
     E = target.model.embed.rows(torch.arange(args.vocab_size))  # [V, dim] the (tied) output head / embedding table
     head = E[ids]  # [V_draft, dim]
@@ -295,8 +311,10 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
         net = nn.ModuleList([TrainSequential(args, ffn, init) for _ in range(cfg.depth)])
     elif cfg.kind == "parallel":
         net = TrainParallel(args.dim, cfg.depth)
+    elif cfg.kind == "eagle3":
+        net = TrainEagle3(args, cfg.ffn_dim or args.ffn_dim, len(aux), _trunk_last_layer(target))
     else:
-        raise ValueError("--kind must be sequential or parallel")
+        raise ValueError("--kind must be sequential, parallel or eagle3")
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps = cfg.epochs * len(seqs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (
@@ -319,7 +337,14 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
         with _bar(len(order), f"epoch {epoch + 1}/{cfg.epochs}") as bar:
             for i in order:
                 s, h = seqs[i], hs[i].float()
-                losses, acc = _sequence_loss(net, cfg, s, h, E, head, rope, cfg.noise)
+                if cfg.kind == "eagle3":
+                    d = len(aux) * args.dim
+                    losses, acc = eagle3_loss(net, h[:, :d], h[:, d:], torch.tensor(s), E, head, rope, cfg.depth,
+                                              cfg.decay)
+                    losses += [torch.zeros((), requires_grad=True)] * (cfg.depth - len(losses))
+                    acc += [(0, 0)] * (cfg.depth - len(acc))
+                else:
+                    losses, acc = _sequence_loss(net, cfg, s, h, E, head, rope, cfg.noise)
                 loss = sum(losses)
                 opt.zero_grad()
                 loss.backward()
@@ -350,8 +375,9 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
     else:
         tensors = net.export()
     tensors["d2t"] = ids.to(torch.int64)
-    save_heads(out, tensors, kind=cfg.kind, depth=cfg.depth, base=fingerprint, args=args,
-               ffn_dim=(cfg.ffn_dim or args.ffn_dim) if cfg.kind == "sequential" else 0, train=summary)
+    save_heads(out, tensors, kind=cfg.kind, depth=1 if cfg.kind == "eagle3" else cfg.depth, base=fingerprint,
+               args=args, ffn_dim=(cfg.ffn_dim or args.ffn_dim) if cfg.kind != "parallel" else 0, train=summary,
+               aux_layers=list(aux))
     (out.with_suffix(".log.json")).write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -1,9 +1,11 @@
 """Heads files: trained MTP modules / Medusa heads as safetensors, with a JSON header binding them to a base model.
 
 Tensor names follow the native layouts (DeepSeek-V3's `model.layers.{L+i}.*` MTP modules, Medusa's
-`medusa_head.{k}.0.linear.*`) plus `d2t`, the draft vocabulary (EAGLE-3's name). The safetensors metadata key
-"specdec" holds the header: format, kind, depth, the base model's architecture and the SHA-256 of its weights
-file(s), the module shapes, and the training summary. Loading heads on another model is refused.
+`medusa_head.{k}.0.linear.*`, EAGLE-3's `fc`, `layers.0.*`, `norm` as speculators and vLLM name them) plus `d2t`, the
+draft vocabulary as target ids (EAGLE-3's name; its files store offsets, `specdec export-heads` converts). The
+safetensors metadata key "specdec" holds the header: format, kind, depth, the base model's architecture and the SHA-256
+of its weights file(s), the module shapes (EAGLE-3: the aux layers it reads), and the training summary. Loading heads
+on another model is refused.
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ def base_fingerprint(target) -> dict:
 
 
 def save_heads(path: str | Path, tensors: dict[str, torch.Tensor], *, kind: str, depth: int, base: dict, args,
-               ffn_dim: int, train: dict) -> None:
+               ffn_dim: int, train: dict, aux_layers: list[int] | None = None) -> None:
     from safetensors.torch import save_file
 
     header = {"format": FORMAT, "kind": kind, "depth": depth, "base": base, "num_hidden_layers": args.n_layers,
               "ffn_dim": ffn_dim, "train": train}
+    if aux_layers:  # eagle3: the trunk layers whose inputs the head reads
+        header["aux_layers"] = aux_layers
     out = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file(out, str(path), metadata={"specdec": json.dumps(header)})
@@ -106,6 +110,16 @@ def load_heads(path: str | Path, target, dtype=None, quant: str | None = None):
     ids = tensors.pop("d2t", None)
     head = SubsetHead(trunk, ids, quant) if ids is not None and len(ids) < trunk.args.vocab_size else trunk.output
     vocab_map = ids if head is not trunk.output else None
+    if header["kind"] == "eagle3":
+        from ..models.eagle3 import Eagle3Module
+
+        try:
+            mod = Eagle3Module(trunk, tensors, tuple(header["aux_layers"]), head, dtype or trunk.dtype,
+                               quant or ("none" if trunk.quant == "none" else "int8"))
+        except KeyError as e:
+            raise ModelError(f"{path} lacks tensor {e} of its EAGLE-3 layer: the file is incomplete") from e
+        trunk.aux_layers = mod.aux  # the trunk's hidden output now carries the features the head reads
+        return "eagle3", [mod], vocab_map
     if header["kind"] == "parallel":
         w = [(tensors[f"medusa_head.{k}.0.linear.weight"].float(), tensors[f"medusa_head.{k}.0.linear.bias"].float())
              for k in range(header["depth"])]
@@ -140,7 +154,8 @@ def shipped_heads() -> list[Path]:
 
 
 def find_heads(target, kind: str | None = None) -> Path | None:
-    """A shipped heads file trained for exactly this model's weights (sequential modules first), if any."""
+    """A shipped heads file trained for exactly this model's weights (EAGLE-3, then sequential modules, then
+    Medusa heads), if any."""
     digest = None
     found = []
     for path in shipped_heads():
@@ -154,5 +169,5 @@ def find_heads(target, kind: str | None = None) -> Path | None:
             continue
         digest = digest or file_sha256(target.path)
         if header["base"]["sha256"] == digest:
-            found.append((header["kind"] != "sequential", path))
+            found.append(({"eagle3": 0, "sequential": 1}.get(header["kind"], 2), path))
     return min(found)[1] if found else None

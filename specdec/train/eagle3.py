@@ -1,0 +1,125 @@
+"""Training EAGLE-3 heads (Li et al. 2025) with training-time test (TTT), as `speculators` and the EAGLE-3 reference
+code train them; the inference twin is models/eagle3.Eagle3Module (a test checks they agree step by step).
+
+One sequence of T tokens t_0..t_{T-1} with the trunk's aux features A_p (inputs of the aux layers at position p) and
+its final hidden states h_p. Step 0 at index p reads g_p = fc(A_p) and t_{p+1} at position p and predicts t_{p+2};
+step k >= 1 at index p reads the layer's own step-(k-1) output there and the true token t_{p+1+k}, at position
+p + k, and predicts t_{p+2+k}. Step k's queries attend the step-0 keys of indices <= p (causal) and the keys of steps
+1..k at their own index p (a diagonal), which is exactly what a k-th drafted token sees at inference: the cache of
+real positions plus its own chain. Loss per step: KL(target || draft) over the draft vocabulary, the target's
+distribution at p + 1 + k being softmax(h_{p+1+k} E_draft^T); steps weighted by decay^k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.eagle3 import LAYER_NAMES
+from ..models.transformer import apply_rope
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * w if w is not None else x
+
+
+class TrainEagle3(nn.Module):
+    """EAGLE-3's fc + one decoder layer + final norm (float32, autograd). The embedding and the draft head are
+    the target's, frozen, passed in."""
+
+    def __init__(self, args, ffn_dim: int, n_aux: int = 3, init: dict[str, torch.Tensor] | None = None):
+        super().__init__()
+        dim, H, Hkv, D = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
+        self.H, self.Hkv, self.D, self.eps, self.scale, self.n_aux = H, Hkv, D, args.norm_eps, args.query_scale, n_aux
+
+        def p(*shape, std=0.02):
+            return nn.Parameter(torch.randn(*shape) * std)
+
+        ones = lambda n: nn.Parameter(torch.ones(n))  # noqa: E731
+        self.input_norm, self.hidden_norm, self.attn_out_norm, self.norm = (ones(dim) for _ in range(4))
+        # fc starts as "take the highest feature": the layer begins near one more trunk layer
+        fc = torch.randn(dim, n_aux * dim) * 0.01
+        fc[:, (n_aux - 1) * dim:] += torch.eye(dim)
+        self.fc = nn.Parameter(fc)
+        self.wq, self.wk, self.wv = p(H * D, 2 * dim), p(Hkv * D, 2 * dim), p(Hkv * D, 2 * dim)
+        self.wo = p(dim, H * D)
+        self.w_gate, self.w_up, self.w_down = p(ffn_dim, dim), p(ffn_dim, dim), p(dim, ffn_dim)
+        if init:  # the trunk's last layer: its q/k/v on the hidden half, its FFN cut to ffn_dim
+            with torch.no_grad():
+                for ours, src in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v")):
+                    getattr(self, ours)[:, dim:].copy_(init[src])
+                self.wo.copy_(init["attn_output"])
+                self.hidden_norm.copy_(init["attn_norm"])
+                self.attn_out_norm.copy_(init["ffn_norm"])
+                self.w_gate.copy_(init["ffn_gate"][:ffn_dim])
+                self.w_up.copy_(init["ffn_up"][:ffn_dim])
+                self.w_down.copy_(init["ffn_down"][:, :ffn_dim])
+
+    def layer(self, g: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              keys: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One TTT step over n indices: g [n, dim], e [n, dim] next-token embeddings, rope [n, D]; keys: the
+        (k, v) [n_i, Hkv, D] of earlier steps (step 0's first, attended causally; later ones on the diagonal),
+        extended with this step's. -> x [n, dim] (pre-norm)."""
+        n = g.shape[0]
+        u = torch.cat([_rms(e, self.input_norm, self.eps), _rms(g, self.hidden_norm, self.eps)], dim=-1)
+        cos, sin = cos[:, None], sin[:, None]
+        q = apply_rope((u @ self.wq.T).view(n, self.H, self.D), cos, sin)
+        k = apply_rope((u @ self.wk.T).view(n, self.Hkv, self.D), cos, sin)
+        v = (u @ self.wv.T).view(n, self.Hkv, self.D)
+        keys.append((k, v))
+        rep = self.H // self.Hkv
+        k0, v0 = (t[:n].repeat_interleave(rep, dim=1) for t in keys[0])  # [n, H, D]
+        s0 = torch.einsum("phd,jhd->hpj", q, k0) * self.scale  # [H, n, n] over step 0's keys
+        s0 = s0.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        diag = [(q * kk[:n].repeat_interleave(rep, dim=1)).sum(-1).T * self.scale for kk, _ in keys[1:]]  # [H, n]
+        w = torch.softmax(torch.cat([s0] + [d[..., None] for d in diag], dim=-1), dim=-1)
+        o = torch.einsum("hpj,jhd->phd", w[..., :n], v0)
+        for i, (_, vv) in enumerate(keys[1:]):
+            o = o + w[..., n + i].T[..., None] * vv[:n].repeat_interleave(rep, dim=1)
+        x = g + o.reshape(n, -1) @ self.wo.T
+        f = _rms(x, self.attn_out_norm, self.eps)
+        return x + (F.silu(f @ self.w_gate.T) * (f @ self.w_up.T)) @ self.w_down.T
+
+    def unroll(self, A: torch.Tensor, tokens: torch.Tensor, E: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               steps: int) -> list[torch.Tensor]:
+        """Training-time test: A [T, n_aux dim] aux features, tokens [T] -> the normed outputs [n_k, dim] of each
+        step k (n_k = T - 1 - k indices: those whose input token t_{p+1+k} exists)."""
+        T = tokens.shape[0]
+        g = A[:T - 1] @ self.fc.T
+        keys: list = []
+        outs = []
+        for k in range(steps):
+            n = T - 1 - k
+            if n <= 0:
+                break
+            x = self.layer(g[:n], E[tokens[1 + k:1 + k + n]], cos[k:k + n], sin[k:k + n], keys)
+            outs.append(_rms(x, self.norm, self.eps))
+            g = x
+        return outs
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """Tensors under speculators / vLLM EAGLE-3 names (models/eagle3.LAYER_NAMES)."""
+        ours = {"attn_norm": self.input_norm, "hidden_norm": self.hidden_norm, "attn_q": self.wq,
+                "attn_k": self.wk, "attn_v": self.wv, "attn_output": self.wo, "ffn_norm": self.attn_out_norm,
+                "ffn_gate": self.w_gate, "ffn_up": self.w_up, "ffn_down": self.w_down, "fc": self.fc,
+                "norm": self.norm}
+        return {LAYER_NAMES[k]: v.detach().clone() for k, v in ours.items()}
+
+
+def eagle3_loss(net: TrainEagle3, A: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor, E: torch.Tensor,
+                head: torch.Tensor, rope, steps: int, decay: float
+                ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """Per-step KL losses (weighted by decay^k) and top-1 agreement counts for one sequence. h [T, dim]: the
+    trunk's final hidden states (after its norm), whose head rows give the teacher."""
+    outs = net.unroll(A, tokens, E, rope.cos, rope.sin, steps)
+    losses, acc = [], []
+    for k, out in enumerate(outs):
+        n = out.shape[0]
+        logq = torch.log_softmax(out @ head.T, dim=-1)
+        with torch.no_grad():
+            tgt = torch.log_softmax(h[1 + k:1 + k + n] @ head.T, dim=-1)
+        losses.append(decay ** k * F.kl_div(logq, tgt, log_target=True, reduction="batchmean"))
+        acc.append((int((logq.argmax(-1) == tgt.argmax(-1)).sum()), n))
+    return losses, acc

@@ -1,0 +1,133 @@
+"""EAGLE-3 heads: the trunk features they read, training-time test against step-by-step drafting, greedy identity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import CHAT_PROMPTS, chat
+from tiny_models import write_gguf, write_hf
+
+from specdec.generate import generate
+from specdec.loader import load
+from specdec.models.eagle3 import default_aux_layers
+from specdec.models.transformer import Rope, rope_inv_freq
+from specdec.sampling import SamplingParams
+from specdec.spec import SpecConfig, build_proposer, resolve_mtp
+from specdec.spec.autok import FixedDraftLength
+from specdec.train.eagle3 import TrainEagle3
+from specdec.train.mtp import TrainConfig, train_mtp
+from specdec.weights.heads import base_fingerprint, load_heads, save_heads
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def eagle3_file(t, tmp_path, ffn: int = 48, vocab: int | None = None, seed: int = 1, name: str = "e3"
+                ) -> tuple[str, TrainEagle3]:
+    """A heads file with random EAGLE-3 weights (bf16-exact, so the trainable module equals what is loaded)."""
+    args = t.model.args
+    torch.manual_seed(seed)
+    net = TrainEagle3(args, ffn)
+    with torch.no_grad():
+        for prm in net.parameters():
+            prm.add_(torch.randn_like(prm) * 0.05)
+            prm.copy_(prm.to(torch.bfloat16).float())
+    tensors = net.export()
+    V = args.vocab_size
+    tensors["d2t"] = torch.arange(V) if vocab is None else torch.randperm(V)[:vocab].sort().values
+    path = tmp_path / f"{name}.safetensors"
+    save_heads(path, tensors, kind="eagle3", depth=1, base=base_fingerprint(t), args=args, ffn_dim=ffn, train={},
+               aux_layers=list(default_aux_layers(args.n_layers)))
+    return str(path), net
+
+
+def test_features_are_the_aux_layers_inputs(tmp_path):
+    """With aux layers set, the trunk's hidden output is [inputs of layers 2, L/2, L-3; final normed hidden],
+    compared with transformers' hidden_states (hidden_states[i] is the input of layer i)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = write_hf("llama", tmp_path / "m", seed=3, num_hidden_layers=8)
+    t = load(folder, dtype="f32", quant="none", ctx=64)
+    L, dim = t.model.args.n_layers, t.model.args.dim
+    aux = default_aux_layers(L)
+    assert aux == (2, 4, 5)
+    ids = torch.randint(0, t.model.args.vocab_size, (1, 11))
+    t.model.aux_layers = aux
+    _, hidden = t.model(ids, torch.arange(11), t.model.new_cache())
+    t.model.aux_layers = ()
+    _, plain = t.model(ids, torch.arange(11), t.model.new_cache())
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = hf(ids, output_hidden_states=True).hidden_states
+    assert hidden.shape == (1, 11, 4 * dim)
+    for j, layer in enumerate(aux):
+        torch.testing.assert_close(hidden[0, :, j * dim:(j + 1) * dim], hs[layer][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hidden[..., 3 * dim:], plain)  # then the usual (normed) hidden state
+    with pytest.raises(AssertionError):  # the check can fail: a wrong layer is far off
+        torch.testing.assert_close(hidden[0, :, :dim], hs[1][0], atol=1e-4, rtol=1e-4)
+
+
+def test_training_time_test_equals_step_by_step_drafting(tmp_path):
+    """TrainEagle3.unroll (what training optimizes: all indices, steps attending step 0 causally and their own chain
+    on the diagonal) equals the inference module run as the drafter runs it: the real positions into its cache, then
+    one drafted position at a time in temporary slots, fed its own output."""
+    t = load(write_gguf("llama", tmp_path / "t.gguf", seed=2), dtype="f32", quant="none", ctx=64)
+    args = t.model.args
+    path, net = eagle3_file(t, tmp_path)
+    kind, (mod,), vmap = load_heads(path, t)
+    assert kind == "eagle3" and vmap is None
+    T, steps, dim = 10, 3, args.dim
+    torch.manual_seed(4)
+    A = torch.randn(T, 3 * dim)
+    tokens = torch.randint(0, args.vocab_size, (T,))
+    E = t.model.embed.rows(torch.arange(args.vocab_size))
+    rope = Rope(rope_inv_freq(args.head_dim, args.rope_theta, None), T + steps, torch.float32, "cpu")
+    with torch.no_grad():
+        outs = net.unroll(A, tokens, E, rope.cos, rope.sin, steps)
+    assert [o.shape[0] for o in outs] == [T - 1, T - 2, T - 3]
+    H = torch.cat([A, torch.randn(T, dim)], dim=-1)  # the trunk's hidden output: features, then h (unused)
+    for p in (0, 3, T - 1 - steps):
+        cache = mod.new_cache()
+        logits, x = mod(H[None, :p + 1], tokens[None, 1:p + 2], torch.arange(p + 1), cache)  # the real positions
+        torch.testing.assert_close(logits[0], outs[0][:p + 1] @ E.T, atol=2e-3, rtol=1e-4)
+        g = x[:, -1:]
+        for k in range(1, steps):  # drafted positions, one at a time, each attending the cache and its chain
+            lg, g = mod(g, tokens[None, p + 1 + k:p + 2 + k], torch.tensor([p + k]), cache)
+            torch.testing.assert_close(lg[0, 0], outs[k][p] @ E.T, atol=2e-3, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_default):
+    return smollm2_default
+
+
+@pytest.mark.parametrize("tree,k", [(None, 1), (None, 4), ([2, 2], 6)])
+def test_greedy_identity(target, plain_greedy, tmp_path, tree, k):
+    path, _ = eagle3_file(target, tmp_path, ffn=256, vocab=4096)
+    try:
+        mtp = resolve_mtp(target, path)
+        assert mtp[0] == "eagle3"
+        for p in CHAT_PROMPTS[:2]:
+            ref = plain_greedy(p, 40)
+            proposer = build_proposer(SpecConfig(kind="mtp", tree=tuple(tree) if tree else None), target, GREEDY,
+                                      mtp=mtp)
+            r = generate(target.model, target.tokenizer, chat(target.tokenizer, p), GREEDY, max_tokens=40,
+                         ignore_eos=True, proposer=proposer, draft_length=FixedDraftLength(k))
+            assert r.tokens == ref and r.stats.drafted > 0
+    finally:
+        target.model.aux_layers = ()  # the session's shared model: plain hidden states again
+
+
+def test_train_eagle3_runs_and_resumes(tmp_path):
+    t = load(write_gguf("llama", tmp_path / "t.gguf", seed=4), ctx=256)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Say something about {w}."}) for w in ("cats", "rain")))
+    cfg = TrainConfig(kind="eagle3", depth=3, samples=2, max_new=12, epochs=2, vocab=512, ffn_dim=32,
+                      prompts=str(prompts))
+    a = train_mtp(t, tmp_path / "a.safetensors", cfg)
+    assert a["sequences"] == 4 and len(a["log"]) == 2 and len(a["log"][0]["top1"]) == 3
+    again = train_mtp(t, tmp_path / "a.safetensors", cfg)
+    assert again["log"] == a["log"]
+    kind, (mod,), vmap = load_heads(tmp_path / "a.safetensors", t)
+    assert kind == "eagle3" and len(vmap) == 512 and t.model.aux_layers == default_aux_layers(t.model.args.n_layers)
