@@ -11,7 +11,7 @@ from tiny_models import write_gguf, write_hf
 
 from specdec.generate import generate
 from specdec.loader import load
-from specdec.models.eagle3 import default_aux_layers
+from specdec.models.eagle3 import default_aux_layers, draft_args
 from specdec.models.transformer import Rope, rope_inv_freq
 from specdec.sampling import SamplingParams
 from specdec.spec import SpecConfig, build_proposer, resolve_mtp
@@ -28,7 +28,7 @@ def eagle3_file(t, tmp_path, ffn: int = 48, vocab: int | None = None, seed: int 
     """A heads file with random EAGLE-3 weights (bf16-exact, so the trainable module equals what is loaded)."""
     args = t.model.args
     torch.manual_seed(seed)
-    net = TrainEagle3(args, ffn)
+    net = TrainEagle3(draft_args(args), ffn)
     with torch.no_grad():
         for prm in net.parameters():
             prm.add_(torch.randn_like(prm) * 0.05)
@@ -68,12 +68,13 @@ def test_features_are_the_aux_layers_inputs(tmp_path):
         torch.testing.assert_close(hidden[0, :, :dim], hs[1][0], atol=1e-4, rtol=1e-4)
 
 
-def test_training_time_test_equals_step_by_step_drafting(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_training_time_test_equals_step_by_step_drafting(tmp_path, arch):
     """TrainEagle3.unroll (what training optimizes: all indices, steps attending step 0 causally and their own chain
     on the diagonal) equals the inference module run as the drafter runs it: the real positions into its cache, then
     one drafted position at a time in temporary slots, fed its own output."""
-    t = load(write_gguf("llama", tmp_path / "t.gguf", seed=2), dtype="f32", quant="none", ctx=64)
-    args = t.model.args
+    t = load(write_gguf(arch, tmp_path / "t.gguf", seed=2), dtype="f32", quant="none", ctx=64)
+    args = draft_args(t.model.args)  # Gemma 3: the draft layer is still a plain Llama layer
     path, net = eagle3_file(t, tmp_path)
     kind, (mod,), vmap = load_heads(path, t)
     assert kind == "eagle3" and vmap is None
@@ -82,7 +83,7 @@ def test_training_time_test_equals_step_by_step_drafting(tmp_path):
     A = torch.randn(T, 3 * dim)
     tokens = torch.randint(0, args.vocab_size, (T,))
     E = t.model.embed.rows(torch.arange(args.vocab_size))
-    rope = Rope(rope_inv_freq(args.head_dim, args.rope_theta, None), T + steps, torch.float32, "cpu")
+    rope = Rope(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), T + steps, torch.float32, "cpu")
     with torch.no_grad():
         outs = net.unroll(A, tokens, E, rope.cos, rope.sin, steps)
     assert [o.shape[0] for o in outs] == [T - 1, T - 2, T - 3]

@@ -16,10 +16,12 @@ differences, so both agree).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..cache import KVCache
-from ..config import ModelArgs
+from ..config import ModelArgs, ModelError
 from ..quant import make_linear
 from .transformer import AttentionPlan, Block, Transformer, cache_shape, rms_norm
 
@@ -40,6 +42,17 @@ def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
     return tuple(min(max(i, 0), n_layers) for i in (2, n_layers // 2, n_layers - 3))  # type: ignore[return-value]
 
 
+def draft_args(a: ModelArgs) -> ModelArgs:
+    """The draft layer's shape: a plain Llama decoder layer with the trunk's width, heads and RoPE base (what
+    speculators' and vLLM's EAGLE-3 layers are), whatever the trunk's own layers add (Gemma's sandwich norms, GeGLU,
+    q/k norms, sliding windows; q/k/v biases)."""
+    if a.family not in ("llama", "gemma3"):
+        raise ModelError(f"EAGLE-3 heads are supported on Llama-family and Gemma 3 trunks, not {a.arch}")
+    return replace(a, arch="llama", qkv_bias=False, qk_norm=False, activation="silu", sandwich_norms=False,
+                   sliding_window=None, sliding_layers=[False] * a.n_layers, rope_local_theta=None,
+                   query_scale=a.head_dim ** -0.5, final_logit_softcap=None)
+
+
 class Eagle3Module:
     """The EAGLE-3 draft layer with fc, norms and the (reduced-vocabulary) head, behind MTPModule's interface."""
 
@@ -49,7 +62,7 @@ class Eagle3Module:
         draft vocabulary (models/heads.SubsetHead) or the trunk's."""
         from ..weights import LazyWeights
 
-        a = trunk.args
+        a = draft_args(trunk.args)
         self.args: ModelArgs = a
         self.dtype, self.device, self.max_len, self.eps = dtype, trunk.device, trunk.max_len, a.norm_eps
         self.aux = tuple(aux)

@@ -99,13 +99,22 @@ class TrainEagle3(nn.Module):
             g = x
         return outs
 
-    def export(self) -> dict[str, torch.Tensor]:
-        """Tensors under speculators / vLLM EAGLE-3 names (models/eagle3.LAYER_NAMES)."""
+    def _named(self) -> dict[str, nn.Parameter]:
         ours = {"attn_norm": self.input_norm, "hidden_norm": self.hidden_norm, "attn_q": self.wq,
                 "attn_k": self.wk, "attn_v": self.wv, "attn_output": self.wo, "ffn_norm": self.attn_out_norm,
                 "ffn_gate": self.w_gate, "ffn_up": self.w_up, "ffn_down": self.w_down, "fc": self.fc,
                 "norm": self.norm}
-        return {LAYER_NAMES[k]: v.detach().clone() for k, v in ours.items()}
+        return {LAYER_NAMES[k]: v for k, v in ours.items()}
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """Tensors under speculators / vLLM EAGLE-3 names (models/eagle3.LAYER_NAMES)."""
+        return {k: v.detach().clone() for k, v in self._named().items()}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of export(): set the parameters from a heads file's tensors."""
+        with torch.no_grad():
+            for name, prm in self._named().items():
+                prm.copy_(tensors[name].float())
 
 
 def eagle3_loss(net: TrainEagle3, A: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor, E: torch.Tensor,

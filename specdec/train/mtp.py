@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.eagle3 import default_aux_layers
+from ..models.eagle3 import default_aux_layers, draft_args
 from ..models.transformer import apply_rope
 from .eagle3 import TrainEagle3, eagle3_loss
 
@@ -273,8 +273,9 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     args = target.model.args
-    if args.family != "llama":
-        raise ValueError(f"train-mtp supports Llama-family trunks (llama, qwen2, qwen3), not {args.arch}")
+    if args.family != "llama" and not (cfg.kind == "eagle3" and args.family == "gemma3"):
+        raise ValueError(f"train-mtp supports Llama-family trunks (llama, qwen2, qwen3; eagle3 also Gemma 3), not "
+                         f"{args.arch}")
     if not args.tie_embeddings and cfg.vocab:
         raise ValueError("a reduced draft vocabulary needs tied embeddings: use --vocab 0 for this model")
     out = Path(out)
@@ -312,7 +313,7 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
     elif cfg.kind == "parallel":
         net = TrainParallel(args.dim, cfg.depth)
     elif cfg.kind == "eagle3":
-        net = TrainEagle3(args, cfg.ffn_dim or args.ffn_dim, len(aux), _trunk_last_layer(target))
+        net = TrainEagle3(draft_args(args), cfg.ffn_dim or args.ffn_dim, len(aux), _trunk_last_layer(target))
     else:
         raise ValueError("--kind must be sequential, parallel or eagle3")
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
