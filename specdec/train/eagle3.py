@@ -123,12 +123,17 @@ def eagle3_loss(net: TrainEagle3, A: torch.Tensor, h: torch.Tensor, tokens: torc
     """Per-step KL losses (weighted by decay^k) and top-1 agreement counts for one sequence. h [T, dim]: the
     trunk's final hidden states (after its norm), whose head rows give the teacher."""
     outs = net.unroll(A, tokens, E, rope.cos, rope.sin, steps)
+    # the draft-vocabulary matmuls are most of the work: bf16 (AMX / AVX-512 BF16 where the CPU has them), the teacher
+    # once for all steps; log-softmax and KL in float32
+    head16 = head.to(torch.bfloat16)
+    with torch.no_grad():
+        teacher = torch.log_softmax((h[1:].to(torch.bfloat16) @ head16.T).float(), dim=-1)  # once for all steps
+        top = teacher.argmax(-1)
     losses, acc = [], []
     for k, out in enumerate(outs):
         n = out.shape[0]
-        logq = torch.log_softmax(out @ head.T, dim=-1)
-        with torch.no_grad():
-            tgt = torch.log_softmax(h[1 + k:1 + k + n] @ head.T, dim=-1)
+        logq = torch.log_softmax((out.to(torch.bfloat16) @ head16.T).float(), dim=-1)
+        tgt = teacher[k:k + n]
         losses.append(decay ** k * F.kl_div(logq, tgt, log_target=True, reduction="batchmean"))
-        acc.append((int((logq.argmax(-1) == tgt.argmax(-1)).sum()), n))
+        acc.append((int((logq.detach().argmax(-1) == top[k:k + n]).sum()), n))
     return losses, acc
