@@ -1,4 +1,5 @@
-"""Command line: `specdec generate | bench | roofline | serve | bench-serve`, with flags as llama.cpp users know them.
+"""Command line: `specdec generate | bench | roofline | train-mtp | make-data | serve | bench-serve`, with flags as
+llama.cpp users know them.
 
 Every user-facing failure is one line on stderr and a non-zero exit (a traceback only with SPECDEC_DEBUG=1).
 """
@@ -130,9 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train-mtp", help="train MTP heads for a model by self-distillation")
     _common(t)
     t.add_argument("-o", "--output", required=True, help="heads file to write (.safetensors)")
-    t.add_argument("--kind", default="sequential", help="sequential (DeepSeek-V3-style modules) or parallel (Medusa "
-                                                        "heads); default sequential")
-    t.add_argument("--depth", type=int, default=1, help="modules / heads to train (default 1)")
+    t.add_argument("--kind", default="sequential", help="sequential (DeepSeek-V3-style modules), parallel (Medusa "
+                                                        "heads) or eagle3 (EAGLE-3: fused low/mid/high features, "
+                                                        "training-time test); default sequential")
+    t.add_argument("--depth", type=int, default=1, help="modules / heads to train; eagle3: training-time-test steps "
+                                                        "(default 1)")
+    t.add_argument("--data", default=None, help="train on the answers of a `specdec make-data` JSONL instead of "
+                                                "generating them from --prompts")
+    t.add_argument("--decay", type=float, default=1.0, help="eagle3: loss weight decay^k of step k (default 1)")
     t.add_argument("--prompts", default=None, help="training prompts JSONL (self-instruct seed tasks or "
                                                    "{\"prompt\": ...}); default ../shared/data/"
                                                    "train_prompts_seed_tasks.jsonl")
@@ -150,6 +156,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--limit", type=int, default=0, help="use only the first N prompts (default all)")
     t.add_argument("-s", "--seed", type=int, default=0, help="seed (default 0)")
     t.add_argument("--work", default=None, help="work directory for resumable stages (default OUTPUT.work)")
+
+    md = sub.add_parser("make-data", help="self-generated training data (Magpie): the model writes prompts, then "
+                                          "answers them")
+    _common(md)
+    md.add_argument("-o", "--output", required=True, help="JSONL file to write, one line per prompt (a partial one "
+                                                         "is continued); settings and filter counts in "
+                                                         "OUTPUT.meta.json")
+    md.add_argument("--n-prompts", type=int, default=1000, help="Magpie prompts to keep, past the filters (default "
+                                                                "1000)")
+    md.add_argument("--temps", default="0,0.5,0.8,1.0", help="answer temperatures, one answer each, 0 = greedy "
+                                                             "(default 0,0.5,0.8,1.0)")
+    md.add_argument("--max-new", type=int, default=256, help="tokens per answer (default 256)")
+    md.add_argument("--prompt-temp", type=float, default=1.0, help="temperature of the prompts (default 1.0)")
+    md.add_argument("--prompt-max", type=int, default=96, help="tokens per prompt; longer ones are dropped "
+                                                               "(default 96)")
+    md.add_argument("--seed-prompts", default=None, help="seed prompts answered first (self-instruct seed tasks or "
+                                                        "{\"prompt\": ...}), or none (default ../shared/data/"
+                                                        "train_prompts_seed_tasks.jsonl)")
+    md.add_argument("--batch", type=int, default=8, help="sequences per engine run (default 8)")
+    md.add_argument("--no-filter", action="store_true", help="keep every prompt except empty ones and Spec-Bench "
+                                                             "look-alikes (no length, loop, language, dedup filters)")
+    md.add_argument("-s", "--seed", type=int, default=0, help="seed (default 0)")
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: continuous batching, speculative decoding")
     _common(sv)
@@ -189,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_demo(args)
         if args.command == "train-mtp":
             return cmd_train_mtp(args)
+        if args.command == "make-data":
+            return cmd_make_data(args)
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "bench-serve":
@@ -432,16 +462,18 @@ def cmd_train_mtp(args) -> int:
     from .train.mtp import TrainConfig, train_mtp
 
     prompts = args.prompts or "../shared/data/train_prompts_seed_tasks.jsonl"
-    if not Path(prompts).exists():
+    if args.data and not Path(args.data).exists():
+        raise ValueError(f"training data not found: {args.data} (write it with `specdec make-data -o FILE`)")
+    if not args.data and not Path(prompts).exists():
         raise ValueError(f"training prompts not found: {prompts} (give --prompts FILE)")
-    if args.kind not in ("sequential", "parallel"):
-        raise ValueError("--kind must be sequential or parallel")
+    if args.kind not in ("sequential", "parallel", "eagle3"):
+        raise ValueError("--kind must be sequential, parallel or eagle3")
     if args.depth < 1:
         raise ValueError("--depth must be >= 1")
     cfg = TrainConfig(kind=args.kind, depth=args.depth, samples=args.samples, max_new=args.max_new,
                       temperature=args.temp, epochs=args.epochs, lr=args.lr, seed=args.seed, vocab=args.vocab,
                       ffn_dim=args.ffn, prompts=prompts, limit=args.limit, feature_weight=args.feature_weight,
-                      weight_decay=args.weight_decay, noise=args.noise)
+                      weight_decay=args.weight_decay, noise=args.noise, data=args.data or "", decay=args.decay)
     torch_seed(args.seed)
     target = load_model(args)
     summary = train_mtp(target, args.output, cfg, args.work)
@@ -449,6 +481,32 @@ def cmd_train_mtp(args) -> int:
     print(f"wrote {args.output}: {summary['kind']} x{summary['depth']}, {summary['tokens']} training tokens, "
           f"draft vocabulary {summary['draft_vocab']}, top-1 agreement {last.get('top1')}, "
           f"{summary['total_s']:.0f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_make_data(args) -> int:
+    from .train.data import SEED_TASKS, DataConfig, FilterConfig, make_data, meta_path, seed_prompts
+
+    try:
+        temps = tuple(float(t) for t in args.temps.split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"--temps takes comma-separated temperatures like 0,0.5,0.8,1.0, not '{args.temps}'") from None
+    seeds = None if args.seed_prompts == "none" else args.seed_prompts or str(SEED_TASKS)
+    cfg = DataConfig(n_prompts=args.n_prompts, temps=temps, max_new=args.max_new, prompt_temp=args.prompt_temp,
+                     prompt_max=args.prompt_max, seed_prompts=seeds, batch=args.batch, seed=args.seed,
+                     filters=FilterConfig(quality=not args.no_filter))
+    cfg.validate()  # flags and the seed prompts are checked before the (slow) load
+    seed_prompts(seeds)
+    target = load_model(args)
+    s = make_data(target, args.output, cfg)
+    dropped = ", ".join(f"{k} {v}" for k, v in s["dropped"].items())
+    print(f"wrote {args.output} (+ {meta_path(args.output).name}): {s['lines']} prompts, {s['seed']} seed + "
+          f"{s['magpie']} Magpie of {s['candidates']} candidates (dropped: {dropped}; seed prompts like Spec-Bench: "
+          f"{s['seed_spec_bench']}) | this run: {s['answers']} answers, {s['tokens']} tokens in {s['seconds']:.1f} s, "
+          f"{s['tokens'] / max(s['seconds'], 1e-9):.1f} tok/s", file=sys.stderr)
+    if s["magpie"] < s["wanted"]:
+        print(f"warning: only {s['magpie']} of {s['wanted']} Magpie prompts passed the filters in {s['candidates']} "
+              "candidates", file=sys.stderr)
     return 0
 
 
