@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", default=None, help="train on the answers of a `specdec make-data` JSONL instead of "
                                                 "generating them from --prompts")
     t.add_argument("--decay", type=float, default=1.0, help="eagle3: loss weight decay^k of step k (default 1)")
+    t.add_argument("--data-tokens", type=int, default=0, help="with --data: train on a seeded random subset of about "
+                                                              "this many tokens (default all)")
     t.add_argument("--prompts", default=None, help="training prompts JSONL (self-instruct seed tasks or "
                                                    "{\"prompt\": ...}); default ../shared/data/"
                                                    "train_prompts_seed_tasks.jsonl")
@@ -473,7 +475,8 @@ def cmd_train_mtp(args) -> int:
     cfg = TrainConfig(kind=args.kind, depth=args.depth, samples=args.samples, max_new=args.max_new,
                       temperature=args.temp, epochs=args.epochs, lr=args.lr, seed=args.seed, vocab=args.vocab,
                       ffn_dim=args.ffn, prompts=prompts, limit=args.limit, feature_weight=args.feature_weight,
-                      weight_decay=args.weight_decay, noise=args.noise, data=args.data or "", decay=args.decay)
+                      weight_decay=args.weight_decay, noise=args.noise, data=args.data or "", decay=args.decay,
+                      data_tokens=args.data_tokens)
     torch_seed(args.seed)
     target = load_model(args)
     summary = train_mtp(target, args.output, cfg, args.work)

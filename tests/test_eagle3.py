@@ -132,3 +132,25 @@ def test_train_eagle3_runs_and_resumes(tmp_path):
     assert again["log"] == a["log"]
     kind, (mod,), vmap = load_heads(tmp_path / "a.safetensors", t)
     assert kind == "eagle3" and len(vmap) == 512 and t.model.aux_layers == default_aux_layers(t.model.args.n_layers)
+
+
+def test_train_on_make_data_file_subset(tmp_path):
+    """--data reads a make-data JSONL; --data-tokens takes a seeded subset drawn from the whole file."""
+    from specdec.train.mtp import token_subset
+
+    seqs = [[i] * (5 + i % 7) for i in range(200)]
+    a, b = token_subset(seqs, 300, 0), token_subset(seqs, 300, 0)
+    assert a == b and 300 <= sum(map(len, a)) < 312 and a != token_subset(seqs, 300, 1)
+    assert max(s[0] for s in a) > 100  # not the first lines only
+    assert token_subset(seqs, 0, 0) == seqs
+    t = load(write_gguf("llama", tmp_path / "t.gguf", seed=4), ctx=256)
+    V = t.model.args.vocab_size
+    g = torch.Generator().manual_seed(0)
+    rows = [{"id": i, "prompt_tokens": torch.randint(0, V, (6,), generator=g).tolist(),
+             "answers": [{"tokens": torch.randint(0, V, (10,), generator=g).tolist()} for _ in range(2)]}
+            for i in range(6)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": 6, "prompt_tok')  # + a truncated line
+    cfg = TrainConfig(kind="eagle3", depth=2, epochs=1, vocab=256, ffn_dim=32, data=str(data), data_tokens=64)
+    s = train_mtp(t, tmp_path / "h.safetensors", cfg)
+    assert s["sequences"] == 4 and s["tokens"] == 64  # 16-token sequences until >= 64 tokens

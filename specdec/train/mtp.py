@@ -55,6 +55,7 @@ class TrainConfig:
     ffn_dim: int = 0  # FFN width of a sequential module's block; 0 = the trunk's
     prompts: str = ""
     data: str = ""  # a `specdec make-data` JSONL: train on its sequences instead of generating answers
+    data_tokens: int = 0  # with data: a seeded random subset of about this many tokens (0 = all)
     limit: int = 0  # use only this many prompts (0 = all)
     decay: float = 1.0  # eagle3: loss weight decay^k of training-time-test step k (speculators' default 1)
     extra: dict = field(default_factory=dict)
@@ -224,11 +225,28 @@ def generate_data(target, prompts: list[str], cfg: TrainConfig, work: Path) -> l
     return seqs
 
 
-def hidden_states(target, seqs: list[list[int]], work: Path, aux: tuple[int, ...] = ()) -> list[torch.Tensor]:
-    """Stage 2: the trunk's final hidden state at every position of every sequence (bf16, cached); with `aux`
-    (EAGLE-3), the inputs of those layers first, concatenated: [T, (len(aux) + 1) dim]."""
+def token_subset(seqs: list[list[int]], tokens: int, seed: int) -> list[list[int]]:
+    """A seeded random subset of the sequences holding about `tokens` tokens (all of them when 0), for learning
+    curves: each size draws from the whole data, not from its first lines."""
+    if not tokens:
+        return seqs
+    order = list(range(len(seqs)))
+    random.Random(seed).shuffle(order)
+    out, n = [], 0
+    for i in order:
+        if n >= tokens:
+            break
+        out.append(seqs[i])
+        n += len(seqs[i])
+    return out
 
-    path = work / ("hidden.pt" if not aux else f"hidden-aux{'-'.join(map(str, aux))}.pt")
+
+def hidden_states(target, seqs: list[list[int]], work: Path, aux: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """Stage 2: the trunk's final hidden state at every position of every sequence (bf16, cached under a hash of
+    the sequences); with `aux` (EAGLE-3), the inputs of those layers first, concatenated: [T, (len(aux) + 1) dim]."""
+
+    key = hashlib.sha1(json.dumps(seqs).encode()).hexdigest()[:12]
+    path = work / (f"hidden-{key}.pt" if not aux else f"hidden-aux{'-'.join(map(str, aux))}-{key}.pt")
     if path.exists():
         hs = torch.load(path)
         if len(hs) == len(seqs):
@@ -283,7 +301,8 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
     work.mkdir(parents=True, exist_ok=True)
     fingerprint = base_fingerprint(target)
     # the data stages depend on these settings only, so one work directory serves heads of every kind and size
-    data_cfg = {k: getattr(cfg, k) for k in ("samples", "max_new", "temperature", "seed", "prompts", "limit", "data")}
+    data_cfg = {k: getattr(cfg, k) for k in ("samples", "max_new", "temperature", "seed", "prompts", "limit", "data",
+                                             "data_tokens")}
     meta_path = work / "data-config.json"
     run_cfg = {"data": data_cfg, "base": fingerprint}
     if meta_path.exists() and json.loads(meta_path.read_text()) != run_cfg:
@@ -294,7 +313,7 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
     if cfg.data:  # answers made beforehand by `specdec make-data`
         from .data import read_data
 
-        seqs = read_data(cfg.data)
+        seqs = token_subset(read_data(cfg.data), cfg.data_tokens, cfg.seed)
         seqs = seqs[:cfg.limit] if cfg.limit else seqs
     else:
         seqs = generate_data(target, training_prompts(cfg.prompts, cfg.limit), cfg, work)
