@@ -29,7 +29,7 @@ import torch
 from .cache import ContextFull, KVCache
 from .config import ModelError
 from .models.transformer import Transformer
-from .sampling import SamplingParams, make_generator, next_token
+from .sampling import Draws, SamplingParams, next_token
 from .spec.autok import AutoDraftLength, FixedDraftLength
 from .spec.base import Draft, Proposer
 from .spec.stats import Stats
@@ -60,7 +60,7 @@ class Sequence:
     finish: str | None = None
     stats: Stats = field(default_factory=Stats)
     cache: KVCache | None = None
-    generator: torch.Generator | None = None
+    generator: Draws | None = None  # sampling's randomness, keyed by output position
     logprobs: int | None = None  # record each generated token's log-probability and this many top alternatives
     token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens in the cache so far
@@ -112,7 +112,7 @@ class Engine:
         if seq.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         seq.cache = self.pool.acquire()
-        seq.generator = make_generator(seq.params.seed, self.model.device) if not seq.params.greedy else None
+        seq.generator = Draws(seq.params.seed, self.model.device) if not seq.params.greedy else None
         seq.policy = seq.policy or FixedDraftLength(0)
         seq.stats = Stats(prompt_tokens=len(seq.prompt))
         self.active.append(seq)
@@ -199,7 +199,7 @@ class Engine:
 
     def _start(self, s: Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> int:
         """The prompt is cached: the first token from its last logits [V], then the proposer's start."""
-        token = next_token(logits, s.params, s.generator, s.prompt, len(s.prompt))
+        token = next_token(logits, s.params, s.generator and s.generator.at(0), s.prompt, len(s.prompt))
         s.out.append(token)
         if s.logprobs is not None:
             _record_logprobs(s, logits[None], [token])
@@ -286,12 +286,14 @@ class Engine:
             n = s.cache.length - 1 - len(draft)  # the pending token's slot
             context = s.context() if s.params.penalized else ()
             if draft.parents is None:  # a chain
-                n_acc, token = verify_chain(logits, draft, s.params, s.generator, context, len(s.prompt))
+                n_acc, token = verify_chain(logits, draft, s.params, s.generator and s.generator.shifted(len(s.out)),
+                                            context, len(s.prompt))
                 path = list(range(n_acc))
                 s.cache.rollback(n + 1 + n_acc)
                 depth = len(draft)
             else:  # a tree: keep the accepted path's slots
-                path, token = verify_tree(logits, draft, s.params, s.generator, context, len(s.prompt))
+                path, token = verify_tree(logits, draft, s.params, s.generator and s.generator.shifted(len(s.out)),
+                                          context, len(s.prompt))
                 n_acc = len(path)
                 s.cache.keep(n, [n] + [n + 1 + i for i in path])
                 depth = max(depths(draft.parents))

@@ -74,6 +74,35 @@ class SamplingParams:
                 raise ValueError(f"logit bias {tok}:{bias}: give a token id >= 0 and a finite bias (or -inf)")
 
 
+class Draws:
+    """A sequence's randomness keyed by output position: the draw for the token at position `offset + j` comes from
+    its own generator, seeded by (seed, position). Plain decoding samples position i with at(i); verification of a
+    point-mass draft (n-gram / suffix lookup, argmax drafts) takes the very sample plain decoding would take at each
+    row's position and accepts the drafted token iff they agree (spec/verify.py). The output is then the plain
+    sampled text itself, token for token, whatever was drafted and however many forwards it took: drafter-invariant
+    speculative decoding (Daliri, Musco and Suresh 2024, "Coupling without Communication and Drafter-Invariant
+    Speculative Decoding"), with the acceptance probability of rejection sampling for point masses, p(x)."""
+
+    def __init__(self, seed: int | None, device: torch.device | str = "cpu", offset: int = 0):
+        import random
+
+        self.seed = seed if seed is not None else random.SystemRandom().getrandbits(62)
+        self.device, self.offset = device, offset
+
+    def at(self, j: int) -> torch.Generator:
+        """The generator of position offset + j (a fresh one each call: drawing from it twice repeats the draw)."""
+        i = self.offset + j
+        key = (self.seed * 0x9E3779B97F4A7C15 + (i + 1) * 0xBF58476D1CE4E5B9) & (2 ** 64 - 1)
+        key ^= key >> 31  # splitmix64's finalizer: neighbouring positions get unrelated seeds
+        key = (key * 0x94D049BB133111EB) & (2 ** 63 - 1)
+        g = torch.Generator(device=self.device)
+        g.manual_seed(key)
+        return g
+
+    def shifted(self, n: int) -> Draws:
+        return Draws(self.seed, self.device, self.offset + n)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     g = torch.Generator(device=device)
     if seed is None:

@@ -99,6 +99,24 @@ def test_seeded_sampling_does_not_depend_on_the_batch(target, tiny_draft, solo):
     assert len({tuple(t) for t in solo("none", params)}) == len(PROMPTS)
 
 
+SEEDED = tuple(SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=100 + i)
+               for i in range(len(PROMPTS)))
+
+
+@pytest.mark.parametrize("name", ["ngram", "ngram-auto", "suffix", "mtp-tree", "auto", "auto-tree", "auto-draft"])
+def test_seeded_speculative_sampling_is_the_plain_sampled_text(target, tiny_draft, solo, name):
+    """Point-mass drafts (lookups, argmax drafts, deterministic trees) are verified by coupling with plain sampling
+    (sampling.Draws): a seeded speculative run writes the plain seeded run's text, whatever each step drafted."""
+    assert solo(name, SEEDED) == solo("none", SEEDED)
+    assert run_batch(target, tiny_draft, SPECS[name], 3, list(SEEDED), name.endswith("draft")) == solo("none", SEEDED)
+
+
+def test_sampled_chain_drafts_are_exact_but_not_the_plain_text(target, tiny_draft, solo):
+    """The control: chains sampled from the heads' q are verified by rejection sampling, exact in distribution
+    (the end-to-end tests) but another text than plain sampling's, so the identity above is not for free."""
+    assert solo("mtp", SEEDED) != solo("none", SEEDED)
+
+
 def test_cache_pool_reuses_slots_and_keeps_sequences_apart(target):
     m = target.model
     engine = Engine(m, max_batch=2)
@@ -235,7 +253,7 @@ def test_a_wrong_residual_fails_the_end_to_end_test(target, exact, monkeypatch):
     def wrong(p, draft, generator):
         n, tok = real(p, draft, generator)
         if n < len(draft.tokens):  # a rejection happened: redraw from p at that row, the drafted token allowed
-            return n, int(p.sample(generator, n))
+            return n, int(p.sample(generator.at(1000 + n), n))
         return n, tok
 
     monkeypatch.setattr(verify_mod, "verify_stochastic", wrong)

@@ -54,11 +54,15 @@ def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None,
 
             sources["global"] = GlobalSuffixProposer(index)
         mtp = mtp if mtp is not None else resolve_mtp(target, spec.heads)
+        # the model sources draft their argmax even when the target samples: point masses, which verification
+        # couples with plain sampling (sampling.Draws), so a seeded run's text is the plain run's whatever each
+        # step drafted
+        argmax_drafts = SamplingParams(temperature=0.0)
         if mtp:
-            sources["mtp"] = build_proposer(SpecConfig(kind="mtp", tree=spec.tree), target, params, mtp=mtp)
+            sources["mtp"] = build_proposer(SpecConfig(kind="mtp", tree=spec.tree), target, argmax_drafts, mtp=mtp)
         if draft is not None:
-            sources["draft"] = build_proposer(SpecConfig(kind="draft", draft_p_min=spec.draft_p_min), target, params,
-                                              draft)
+            sources["draft"] = build_proposer(SpecConfig(kind="draft", draft_p_min=spec.draft_p_min), target,
+                                              argmax_drafts, draft)
         k_max = 8 if spec.draft_max == "auto" else int(spec.draft_max)
         return AutoProposer(sources, k_max, spec.draft_min, learned=getattr(target, "model", target),
                             regime="greedy" if params.greedy else f"temp {params.temperature:g}")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..sampling import Dist, SamplingParams, apply_penalties, argmax, process, sample
+from ..sampling import Dist, Draws, SamplingParams, apply_penalties, argmax, process, sample
 from .base import Draft
 
 
@@ -26,7 +26,8 @@ def verify_greedy(logits: torch.Tensor, draft: Draft) -> tuple[int, int]:
     return n, target[n]
 
 
-def verify_stochastic(p: Dist | torch.Tensor, draft: Draft, generator: torch.Generator) -> tuple[int, int]:
+def verify_stochastic(p: Dist | torch.Tensor, draft: Draft, generator: torch.Generator | Draws
+                      ) -> tuple[int, int]:
     """Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
     Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling").
 
@@ -35,10 +36,22 @@ def verify_stochastic(p: Dist | torch.Tensor, draft: Draft, generator: torch.Gen
     recovered token from norm(max(0, p_i - q_i)); when all k are accepted draw the bonus token from p_k. The output
     is then distributed exactly as p. With q = None, q_i is the point mass on x_i: accept with probability
     p_i(x_i), and on rejection draw from p_i with x_i removed. Only the drafted tokens' probabilities are looked
-    up row by row; a residual is built only at the first rejected row."""
+    up row by row; a residual is built only at the first rejected row.
+
+    With position-keyed Draws (a sequence's own randomness) and point masses, the same acceptance law is realized
+    by coupling: row i draws the token plain decoding would draw at its position (Draws.at(i)) and x_i is accepted
+    iff it is that token; the output is then exactly the plain sampled text (drafter-invariant, see Draws). Drafts
+    with a distribution q are verified by rejection sampling with the generator of the first position."""
     if isinstance(p, torch.Tensor):
         p = Dist(None, p, p.shape[-1])
     k = len(draft.tokens)
+    if isinstance(generator, Draws):
+        if draft.q is None:
+            for i in range(k + 1):
+                y = int(p.sample(generator.at(i), i))
+                if i == k or y != draft.tokens[i]:
+                    return i, y
+        generator = generator.at(0)
     if k == 0:
         return 0, int(p.sample(generator, 0))
     x = torch.tensor(draft.tokens, device=p.probs.device)
@@ -73,7 +86,7 @@ def target_dist(logits: torch.Tensor, params: SamplingParams, history: Sequence[
     return process(logits, params, history if params.penalized else None, n_prompt)
 
 
-def verify_chain(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator | None,
+def verify_chain(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator | Draws | None,
                  context: Sequence[int] = (), n_prompt: int = 0) -> tuple[int, int]:
     """logits [k+1, V] for [last accepted token, x_1 .. x_k] -> (n_accepted, next_token), greedy or stochastic.
 
@@ -87,7 +100,7 @@ def verify_chain(logits: torch.Tensor, draft: Draft, params: SamplingParams, gen
     return verify_stochastic(target_dist(logits, params, history, n_prompt), draft, generator)
 
 
-def verify_tree(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator | None,
+def verify_tree(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator | Draws | None,
                 context: Sequence[int] = (), n_prompt: int = 0) -> tuple[list[int], int]:
     """logits [N+1, V] for [root, nodes...] of a tree draft -> (accepted node indices along one path, next token)."""
     from .tree import paths, verify_tree_greedy, verify_tree_stochastic
