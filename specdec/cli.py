@@ -1,5 +1,5 @@
-"""Command line: `specdec generate | bench | roofline | train-mtp | make-data | serve | bench-serve`, with flags as
-llama.cpp users know them.
+"""Command line: `specdec generate | bench | roofline | train-mtp | make-data | export-heads | serve | bench-serve`,
+with flags as llama.cpp users know them.
 
 Every user-facing failure is one line on stderr and a non-zero exit (a traceback only with SPECDEC_DEBUG=1).
 """
@@ -181,6 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "look-alikes (no length, loop, language, dedup filters)")
     md.add_argument("-s", "--seed", type=int, default=0, help="seed (default 0)")
 
+    x = sub.add_parser("export-heads", help="write a heads file as a checkpoint vLLM / SGLang load")
+    _common(x)
+    x.add_argument("file", help="heads file from `specdec train-mtp`, trained for -m MODEL")
+    x.add_argument("--format", required=True, help="speculators or eagle3 (EAGLE-3 heads), medusa (parallel heads), "
+                                                  "deepseek-mtp (sequential modules)")
+    x.add_argument("-o", "--output", required=True, help="directory to write (config.json, model.safetensors)")
+    x.add_argument("--verifier", default=None, help="speculators format: the target's Hugging Face id or path, "
+                                                    "recorded as the verifier (default: none)")
+
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: continuous batching, speculative decoding")
     _common(sv)
     _speculative(sv)
@@ -221,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train_mtp(args)
         if args.command == "make-data":
             return cmd_make_data(args)
+        if args.command == "export-heads":
+            return cmd_export_heads(args)
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "bench-serve":
@@ -510,6 +521,25 @@ def cmd_make_data(args) -> int:
     if s["magpie"] < s["wanted"]:
         print(f"warning: only {s['magpie']} of {s['wanted']} Magpie prompts passed the filters in {s['candidates']} "
               "candidates", file=sys.stderr)
+    return 0
+
+
+def cmd_export_heads(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .weights.export import check_format, export_heads
+
+    if not Path(args.file).is_file():
+        raise ValueError(f"heads file not found: {args.file}")
+    header = check_format(args.file, args.format)  # before the (slow) load
+    target = load_model(args)
+    out = export_heads(args.file, target, args.format, args.output, verifier=args.verifier)
+    method = {"speculators": "eagle3", "eagle3": "eagle3", "medusa": "medusa", "deepseek-mtp": "mtp"}[args.format]
+    k = 3 if header["kind"] == "eagle3" else header["depth"]
+    spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": k})
+    print(f"wrote {out} ({args.format} layout); serve it with: vllm serve TARGET --speculative-config '{spec}'",
+          file=sys.stderr)
     return 0
 
 
