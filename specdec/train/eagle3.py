@@ -56,6 +56,8 @@ class TrainEagle3(nn.Module):
                 self.w_gate.copy_(init["ffn_gate"][:ffn_dim])
                 self.w_up.copy_(init["ffn_up"][:ffn_dim])
                 self.w_down.copy_(init["ffn_down"][:, :ffn_dim])
+                if "output_norm" in init:  # the head's logits start at the trunk's scale
+                    self.norm.copy_(init["output_norm"])
 
     def layer(self, g: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               keys: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -403,12 +403,14 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
 
 
 def _trunk_last_layer(target) -> dict[str, torch.Tensor]:
-    """The trunk's last layer as float tensors (dequantized again from the file)."""
+    """The trunk's last layer as float tensors (dequantized again from the file), and its output norm."""
     from ..weights import read_model
 
     lm = read_model(target.path)
     prefix = f"blk.{target.model.args.n_layers - 1}."
-    return {n[len(prefix):]: lm.weights[n].float() for n in lm.weights if n.startswith(prefix)}
+    out = {n[len(prefix):]: lm.weights[n].float() for n in lm.weights if n.startswith(prefix)}
+    out["output_norm"] = target.model.output_norm[0].float()  # as the model applies it (Gemma's 1 + w folded in)
+    return out
 
 
 def _sequence_loss(net, cfg: TrainConfig, s: list[int], h: torch.Tensor, E: torch.Tensor, head: torch.Tensor,
