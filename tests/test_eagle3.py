@@ -154,3 +154,25 @@ def test_train_on_make_data_file_subset(tmp_path):
     cfg = TrainConfig(kind="eagle3", depth=2, epochs=1, vocab=256, ffn_dim=32, data=str(data), data_tokens=64)
     s = train_mtp(t, tmp_path / "h.safetensors", cfg)
     assert s["sequences"] == 4 and s["tokens"] == 64  # 16-token sequences until >= 64 tokens
+
+
+def test_other_heads_still_read_the_final_hidden_state(target, tmp_path):
+    """With EAGLE-3 heads loaded, the trunk's hidden output carries the aux features first: Medusa heads and
+    sequential modules must draft exactly what they draft without them (they read the last dim columns)."""
+    prompt = chat(target.tokenizer, CHAT_PROMPTS[2])
+
+    def drafts(kind: str) -> list:
+        mtp = resolve_mtp(target, None, kind)
+        assert mtp is not None and mtp[0] == kind
+        r = generate(target.model, target.tokenizer, prompt, GREEDY, max_tokens=24, ignore_eos=True,
+                     proposer=build_proposer(SpecConfig(kind="mtp"), target, GREEDY, mtp=mtp),
+                     draft_length=FixedDraftLength(3))
+        return [r.stats.drafted, r.stats.accepted]
+
+    try:
+        want = {k: drafts(k) for k in ("parallel", "sequential")}
+        resolve_mtp(target, eagle3_file(target, tmp_path, ffn=64, vocab=1024)[0])  # sets the aux layers
+        assert target.model.aux_layers
+        assert {k: drafts(k) for k in ("parallel", "sequential")} == want
+    finally:
+        target.model.aux_layers = ()

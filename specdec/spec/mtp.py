@@ -118,6 +118,9 @@ class SequentialMTP(_MTPBase):
 
     def _add_hidden(self, hidden: torch.Tensor) -> None:
         n = self.n[0]
+        # the trunk's hidden output ends with its final hidden state; EAGLE-3's aux features come before it when
+        # such heads are loaded on the model, and only EAGLE-3 modules read them
+        hidden = hidden[:, -self.H[0].shape[1]:]
         self.H[0][n:n + hidden.shape[0]] = hidden.to(self.H[0].dtype)
         self.n[0] = n + hidden.shape[0]
 
@@ -208,16 +211,17 @@ class ParallelMTP(_MTPBase):
                  generator: torch.Generator | None = None, vocab_map: torch.Tensor | None = None):
         super().__init__(params, vocab_size, tree[:len(heads)] if tree else None, generator, vocab_map)
         self.heads = heads
+        self.dim = heads.weights[0][0].shape[1]
         self.h: torch.Tensor | None = None
         self.logits: list[torch.Tensor] | None = None
 
     def begin(self, context: list[int], hidden: torch.Tensor | None = None) -> None:
         self.ctx = list(context)
-        self.h, self.logits = hidden[-1], None
+        self.h, self.logits = hidden[-1, -self.dim:], None  # the final hidden state (see SequentialMTP)
 
     def accept(self, accepted: list[int], next_token: int, hidden: torch.Tensor | None = None) -> None:
         self.ctx += accepted + [next_token]
-        self.h, self.logits = hidden[-1], None
+        self.h, self.logits = hidden[-1, -self.dim:], None  # the final hidden state (see SequentialMTP)
 
     def _all(self) -> list[torch.Tensor]:
         if self.logits is None:
