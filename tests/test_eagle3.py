@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import CHAT_PROMPTS, chat
 from tiny_models import write_gguf, write_hf
+from tiny_mtp import eagle3_file
 
 from specdec.generate import generate
 from specdec.loader import load
@@ -16,30 +17,10 @@ from specdec.models.transformer import Rope, rope_inv_freq
 from specdec.sampling import SamplingParams
 from specdec.spec import SpecConfig, build_proposer, resolve_mtp
 from specdec.spec.autok import FixedDraftLength
-from specdec.train.eagle3 import TrainEagle3
 from specdec.train.mtp import TrainConfig, train_mtp
-from specdec.weights.heads import base_fingerprint, load_heads, save_heads
+from specdec.weights.heads import load_heads
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def eagle3_file(t, tmp_path, ffn: int = 48, vocab: int | None = None, seed: int = 1, name: str = "e3"
-                ) -> tuple[str, TrainEagle3]:
-    """A heads file with random EAGLE-3 weights (bf16-exact, so the trainable module equals what is loaded)."""
-    args = t.model.args
-    torch.manual_seed(seed)
-    net = TrainEagle3(draft_args(args), ffn)
-    with torch.no_grad():
-        for prm in net.parameters():
-            prm.add_(torch.randn_like(prm) * 0.05)
-            prm.copy_(prm.to(torch.bfloat16).float())
-    tensors = net.export()
-    V = args.vocab_size
-    tensors["d2t"] = torch.arange(V) if vocab is None else torch.randperm(V)[:vocab].sort().values
-    path = tmp_path / f"{name}.safetensors"
-    save_heads(path, tensors, kind="eagle3", depth=1, base=base_fingerprint(t), args=args, ffn_dim=ffn, train={},
-               aux_layers=list(default_aux_layers(args.n_layers)))
-    return str(path), net
 
 
 def test_features_are_the_aux_layers_inputs(tmp_path):

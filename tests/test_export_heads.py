@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_models import write_hf
+from tiny_mtp import eagle3_file
 
 from specdec.cli import main
 from specdec.config import ModelError
 from specdec.loader import load
 from specdec.models.eagle3 import default_aux_layers
 from specdec.models.transformer import Rope, rope_inv_freq
-from specdec.train.eagle3 import TrainEagle3
 from specdec.train.mtp import TrainParallel, TrainSequential
 from specdec.weights.export import FORMATS, export_heads, read_exported
 from specdec.weights.heads import base_fingerprint, load_heads, save_heads
@@ -41,25 +41,6 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def target(model_dir):
     return load(model_dir, dtype="f32", quant="none", ctx=64)
-
-
-def eagle3_file(t, tmp_path, ffn: int = 48, vocab: int | None = None, seed: int = 1, name: str = "e3"
-                ) -> tuple[str, TrainEagle3]:
-    """A heads file with random EAGLE-3 weights (bf16-exact, so the trainable module equals what is loaded)."""
-    args = t.model.args
-    torch.manual_seed(seed)
-    net = TrainEagle3(args, ffn)
-    with torch.no_grad():
-        for prm in net.parameters():
-            prm.add_(torch.randn_like(prm) * 0.05)
-            prm.copy_(prm.to(torch.bfloat16).float())
-    tensors = net.export()
-    V = args.vocab_size
-    tensors["d2t"] = torch.arange(V) if vocab is None else torch.randperm(V)[:vocab].sort().values
-    path = tmp_path / f"{name}.safetensors"
-    save_heads(path, tensors, kind="eagle3", depth=1, base=base_fingerprint(t), args=args, ffn_dim=ffn, train={},
-               aux_layers=list(default_aux_layers(args.n_layers)))
-    return str(path), net
 
 
 def heads_file(t, tmp_path, kind: str, vocab: int | None = None, depth: int = 2) -> str:

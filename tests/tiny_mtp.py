@@ -32,6 +32,10 @@ import numpy as np
 import torch
 from tiny_models import hf_config, hf_state_dict, write_gguf, write_hf
 
+from specdec.models.eagle3 import default_aux_layers, draft_args
+from specdec.train.eagle3 import TrainEagle3
+from specdec.weights.heads import base_fingerprint, save_heads
+
 N_LAYERS = 2  # trunk layers of the tiny models (tiny_models' default for the Llama family)
 
 
@@ -160,3 +164,22 @@ def write_mtp_hf(trunk_arch: str, folder: Path, *, layout: str = "deepseek", n_m
     written = json.loads((folder / "config.json").read_text())  # + torch_dtype, transformers_version
     (folder / "config.json").write_text(json.dumps({**written, **cfg}, indent=2) + "\n")
     return MTPFixture(folder, sd, cfg)
+
+
+def eagle3_file(t, tmp_path: Path, ffn: int = 48, vocab: int | None = None, seed: int = 1, name: str = "e3"
+                ) -> tuple[str, TrainEagle3]:
+    """A heads file with random EAGLE-3 weights (bf16-exact, so the trainable module equals what is loaded)."""
+    args = t.model.args
+    torch.manual_seed(seed)
+    net = TrainEagle3(draft_args(args), ffn)
+    with torch.no_grad():
+        for prm in net.parameters():
+            prm.add_(torch.randn_like(prm) * 0.05)
+            prm.copy_(prm.to(torch.bfloat16).float())
+    tensors = net.export()
+    V = args.vocab_size
+    tensors["d2t"] = torch.arange(V) if vocab is None else torch.randperm(V)[:vocab].sort().values
+    path = tmp_path / f"{name}.safetensors"
+    save_heads(path, tensors, kind="eagle3", depth=1, base=base_fingerprint(t), args=args, ffn_dim=ffn, train={},
+               aux_layers=list(default_aux_layers(args.n_layers)))
+    return str(path), net

@@ -23,7 +23,8 @@ import torch
 from ..cache import KVCache
 from ..config import ModelArgs, ModelError
 from ..quant import make_linear
-from .transformer import AttentionPlan, Block, Transformer, cache_shape, rms_norm
+from .mtp import module_plan
+from .transformer import Block, Transformer, cache_shape, rms_norm
 
 DEFAULT_AUX = "2, L // 2, L - 3"
 
@@ -106,14 +107,7 @@ class Eagle3Module:
                       dim=-1)
         a = self.args
         rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
-        if T == 1:
-            plan = AttentionPlan("single")
-        elif exact:
-            plan = AttentionPlan("rows")
-        else:
-            causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-            full = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device), causal], dim=1)
-            plan = AttentionPlan("masked", full, full)
+        plan = module_plan(T, start, exact, self.device)
         x = self.block.attention(g, rope, cache.layer(0), start, plan, None, qkv_in=u)
         x = self.block.ffn(x)
         cache.length = L

@@ -45,6 +45,18 @@ from ..quant import make_linear
 from .transformer import AttentionPlan, Block, Transformer, cache_shape, rms_norm
 
 
+def module_plan(T: int, start: int, exact: bool, device) -> AttentionPlan:
+    """How a drafting module's T new rows attend after `start` cached ones: one row sees everything; exact rows
+    attend alone (as T = 1 calls would); else one causal masked call."""
+    if T == 1:
+        return AttentionPlan("single")
+    if exact:
+        return AttentionPlan("rows")
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    full = torch.cat([torch.ones(T, start, dtype=torch.bool, device=device), causal], dim=1)  # [T, start + T]
+    return AttentionPlan("masked", full, full)
+
+
 class MTPModule:
     """One MTP depth: fuse (hidden, next-token embedding), one transformer block, shared head.
 
@@ -107,14 +119,7 @@ class MTPModule:
         a = self.args
         rope = (self.rope.tables(positions, 1, 0) if a.attention == "mla"
                 else self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads))
-        if T == 1:
-            plan = AttentionPlan("single")
-        elif exact:
-            plan = AttentionPlan("rows")
-        else:
-            causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-            full = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device), causal], dim=1)  # [T, L]
-            plan = AttentionPlan("masked", full, full)
+        plan = module_plan(T, start, exact, self.device)
         x = self.block(x, rope, cache.layer(0), start, plan, None)
         cache.length = L
         h_next = rms_norm(x, self.norm, self.eps)  # [1, T, dim]
