@@ -38,7 +38,7 @@ demo: setup
 test: setup
 	$(BIN)/python -m ruff check specdec tests
 	$(BIN)/python -m specdec.kernels
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 lint: setup
 	$(BIN)/python -m ruff check specdec tests
