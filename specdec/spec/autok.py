@@ -88,9 +88,9 @@ class AutoDraftLength:
         """v(T) / v(1); before any measurement the prior 1 + 0.25 (T - 1) (MACHINE-FACTS: ~1.2-1.6x for T = 2-4 on a
         2-core CPU)."""
         base = self.forward_s(1)
-        if base is None:
+        if not base:  # nothing measured yet (or a forward timed at 0 s: bench found one)
             return 1.0 + 0.25 * (t - 1)
-        return self.forward_s(t) / base
+        return (self.forward_s(t) or base) / base
 
     def choose(self, draft_class: int | None = None, verify_cost: Callable[[int], float] | None = None) -> int:
         """This step's K; verify_cost: v(T)/v(1) when the caller has it at hand (spec/auto.py tabulates it once per
