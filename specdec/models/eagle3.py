@@ -26,8 +26,6 @@ from ..quant import make_linear
 from .mtp import module_plan
 from .transformer import Block, Transformer, cache_shape, rms_norm
 
-DEFAULT_AUX = "2, L // 2, L - 3"
-
 # our Block's tensor names for the draft layer's, under speculators / vLLM names (the file layout, weights/heads.py)
 LAYER_NAMES = {"attn_norm": "layers.0.input_layernorm.weight", "hidden_norm": "layers.0.hidden_norm.weight",
                "attn_q": "layers.0.self_attn.q_proj.weight", "attn_k": "layers.0.self_attn.k_proj.weight",

@@ -445,14 +445,15 @@ class Transformer:
             rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
             rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(
                 positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
-        feats = {}  # layer -> its input, for the aux layers
+        feats = {}  # layer -> its input, for the aux layers (none in plain decoding)
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
+            if self.aux_layers and i in self.aux_layers:
                 feats[i] = x
             c = cache.layer(i)
             x = layer(x, rope_local if layer.sliding else rope, c, start, plan,
                       a.sliding_window if layer.sliding else None)
-        feats[a.n_layers] = x
+        if self.aux_layers:
+            feats[a.n_layers] = x
         h = rms_norm(x, self.output_norm, a.norm_eps)
         logits = self.output(h if last is None else h[:, last]).float()
         if self.args.final_logit_softcap:
