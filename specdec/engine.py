@@ -199,7 +199,7 @@ class Engine:
 
     def _start(self, s: Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> int:
         """The prompt is cached: the first token from its last logits [V], then the proposer's start."""
-        token = next_token(logits, s.params, s.generator and s.generator.at(0), s.prompt, len(s.prompt))
+        token = next_token(logits, s.params, s.generator, s.prompt, len(s.prompt))
         s.out.append(token)
         if s.logprobs is not None:
             _record_logprobs(s, logits[None], [token])

@@ -12,6 +12,11 @@ survivor once their mass reaches top_p (top-p) and their smallest probability is
 with the normalizer taken over the whole vocabulary. The result is a `Dist`: candidate ids and their probabilities
 per row, sampled with the exponential race (gpt-fast's multinomial_sample_one_no_sync) over the candidates only.
 `probs_from_logits` is the dense reference, kept for tests and for draft distributions q.
+
+A sequence's own tokens (plain decoding, and coupled verification of point-mass drafts) are drawn by `draw`: one
+row, one uniform per position (Draws.u), inverse CDF over the ranked candidates, in sample.c when it is built (the
+same truncations in C, ~20 us a token for the CLI defaults; the Python path above costs ~120 us, ~300 us right
+after a forward, when its code and data are out of cache: docs/results/sampling-speed.json).
 """
 
 from __future__ import annotations
@@ -75,10 +80,10 @@ class SamplingParams:
 
 
 class Draws:
-    """A sequence's randomness keyed by output position: the draw for the token at position `offset + j` comes from
-    its own generator, seeded by (seed, position). Plain decoding samples position i with at(i); verification of a
-    point-mass draft (n-gram / suffix lookup, argmax drafts) takes the very sample plain decoding would take at each
-    row's position and accepts the drafted token iff they agree (spec/verify.py). The output is then the plain
+    """A sequence's randomness keyed by output position: the token at position `offset + j` is drawn with its own
+    uniform u(j), a hash of (seed, position). Plain decoding samples position i with `draw(.., u(i))`; verification
+    of a point-mass draft (n-gram / suffix lookup, argmax drafts) takes the very sample plain decoding would take at
+    each row's position and accepts the drafted token iff they agree (spec/verify.py). The output is then the plain
     sampled text itself, token for token, whatever was drafted and however many forwards it took: drafter-invariant
     speculative decoding (Daliri, Musco and Suresh 2024, "Coupling without Communication and Drafter-Invariant
     Speculative Decoding"), with the acceptance probability of rejection sampling for point masses, p(x)."""
@@ -89,14 +94,24 @@ class Draws:
         self.seed = seed if seed is not None else random.SystemRandom().getrandbits(62)
         self.device, self.offset = device, offset
 
-    def at(self, j: int) -> torch.Generator:
-        """The generator of position offset + j (a fresh one each call: drawing from it twice repeats the draw)."""
+    def _key(self, j: int) -> int:
         i = self.offset + j
         key = (self.seed * 0x9E3779B97F4A7C15 + (i + 1) * 0xBF58476D1CE4E5B9) & (2 ** 64 - 1)
         key ^= key >> 31  # splitmix64's finalizer: neighbouring positions get unrelated seeds
-        key = (key * 0x94D049BB133111EB) & (2 ** 63 - 1)
+        return (key * 0x94D049BB133111EB) & (2 ** 64 - 1)
+
+    def u(self, j: int) -> float:
+        """The uniform in [0, 1) of position offset + j: the key's top 53 bits after one more mixing round."""
+        key = self._key(j)
+        key ^= key >> 29
+        key = (key * 0xBF58476D1CE4E5B9) & (2 ** 64 - 1)
+        return ((key ^ (key >> 32)) >> 11) * 2.0 ** -53
+
+    def at(self, j: int) -> torch.Generator:
+        """A torch generator of position offset + j (a fresh one each call: drawing from it twice repeats the draw),
+        for draws that need more than one uniform (rejection sampling of drafts with a distribution q)."""
         g = torch.Generator(device=self.device)
-        g.manual_seed(key)
+        g.manual_seed(self._key(j) >> 1)
         return g
 
     def shifted(self, n: int) -> Draws:
@@ -199,6 +214,17 @@ class Dist:
             ids = self.ids if row is None else self.ids[row:row + 1]
             out = ids.gather(1, pick[:, None]).squeeze(1)
         return out if row is None else out[0]
+
+    def sample_at(self, u: float, row: int) -> int:
+        """Row `row`'s token by inverse CDF with the uniform u: the first candidate (in this Dist's order) whose
+        running probability exceeds u (sample.c's rule, here for rows its kernel does not take)."""
+        probs = self.probs[row].double()
+        cdf = probs.cumsum(0)
+        i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True)[0])
+        i = min(i, probs.shape[0] - 1)
+        while probs[i] <= 0 and i > 0:  # never a zero-probability candidate (u at the very end of the sum)
+            i -= 1
+        return i if self.ids is None else int(self.ids[row, i])
 
 
 def _truncate_sorted(v: np.ndarray, lse: np.ndarray | None, params: SamplingParams) -> np.ndarray:
@@ -330,11 +356,29 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return torch.argmax(x, dim=-1)
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+def draw(logits: torch.Tensor, params: SamplingParams, u: float, history: Sequence[int] | None = None,
+         n_prompt: int = 0) -> int:
+    """One token from p for one row of logits [V] with the uniform u, by inverse CDF over p's ranked candidates:
+    the one definition of a sampled token that plain decoding and coupled verification share (Draws). Penalties
+    (history: the row's context) in torch, then sample.c's sampler (specdec_sample: top-k on k + slack values, the
+    rest on the survivors, no sort of the vocabulary: ~20 us for the CLI defaults on 49152 tokens); without the
+    kernel, process() and the same inverse CDF on its Dist."""
+    x = logits.float()
+    if params.penalized:
+        x = apply_penalties(x[None], params, [history or []], n_prompt)[0]
+    x = x.contiguous()
+    tok = kernels.sample_row(x, params.top_k, params.temperature, params.top_p, params.min_p, u)
+    return tok if tok is not None else process(x, params).sample_at(u, 0)
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | Draws | None,
                history: Sequence[int] | None = None, n_prompt: int = 0) -> int:
-    """The next token from the last position's logits [V]: argmax when greedy, else a draw from p."""
+    """The next token from the last position's logits [V]: argmax when greedy, else a draw from p (with a Draws,
+    the draw of its first position)."""
     if params.greedy and not params.penalized:
         return int(argmax(logits.float()))
     if params.greedy:
         return int(argmax(apply_penalties(logits.float()[None], params, [history or []], n_prompt)[0]))
+    if isinstance(generator, Draws):
+        return draw(logits, params, generator.u(0), history, n_prompt)
     return int(process(logits, params, [history or []], n_prompt).sample(generator)[0])

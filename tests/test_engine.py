@@ -15,7 +15,7 @@ from tiny_models import write_gguf
 from specdec.api import LLM
 from specdec.engine import Engine, Sequence
 from specdec.loader import load
-from specdec.sampling import SamplingParams, process
+from specdec.sampling import SamplingParams, draw, process
 from specdec.spec import SpecConfig, build_proposer, resolve_mtp
 from specdec.spec import verify as verify_mod
 
@@ -248,17 +248,18 @@ def test_speculative_sampling_end_to_end_is_plain_sampling(target, tiny_draft, e
 
 @pytest.mark.slow
 def test_a_wrong_residual_fails_the_end_to_end_test(target, exact, monkeypatch):
-    """The same test with a verifier that, on rejecting a point-mass draft, samples from p itself (not from p
-    with the rejected token removed): biased toward drafted tokens, it must fail."""
-    real = verify_mod.verify_stochastic
+    """The same test with a coupled verifier that, on rejecting a point-mass draft, draws again from p itself with
+    another uniform (not the plain draw, which excludes the rejected token): biased toward drafted tokens, it must
+    fail."""
+    real = verify_mod.verify_coupled
 
-    def wrong(p, draft, generator):
-        n, tok = real(p, draft, generator)
-        if n < len(draft.tokens):  # a rejection happened: redraw from p at that row, the drafted token allowed
-            return n, int(p.sample(generator.at(1000 + n), n))
+    def wrong(logits, draft, params, draws, history=None, n_prompt=0):
+        n, tok = real(logits, draft, params, draws, history, n_prompt)
+        if n < len(draft.tokens):  # a rejection happened: redraw at that row, the drafted token allowed
+            return n, draw(logits[n], params, draws.u(1000 + n))
         return n, tok
 
-    monkeypatch.setattr(verify_mod, "verify_stochastic", wrong)
+    monkeypatch.setattr(verify_mod, "verify_coupled", wrong)
     counts = sample_three(target, SpecConfig(kind="ngram", draft_max="3", ngram_min=1), seed=2, samples=10_000)
     stat, df = chi_square(counts, exact)
     assert stat > 3 * limit(df), (stat, df)

@@ -1,6 +1,7 @@
-"""The fast sampler (sampling.process: top-k first, partial selection for top-p / min-p, candidates only) gives the
-distribution of Hugging Face's warper chain, on the edge cases where a shortcut could go wrong; penalties and
-logit bias as HF / OpenAI define them; and speculative sampling with penalties stays distributed as plain sampling.
+"""The fast sampler (sampling.process: top-k first, partial selection for top-p / min-p, candidates only) and the
+sampling kernel (sample.c, what sampling.draw uses) give the distribution of Hugging Face's warper chain, on the
+edge cases where a shortcut could go wrong; penalties and logit bias as HF / OpenAI define them; and speculative
+sampling with penalties stays distributed as plain sampling (rejection sampling) or is the plain text (coupling).
 """
 
 from __future__ import annotations
@@ -17,7 +18,17 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specdec.sampling import SamplingParams, apply_penalties, make_generator, next_token, probs_from_logits, process
+from specdec import kernels
+from specdec.sampling import (
+    Draws,
+    SamplingParams,
+    apply_penalties,
+    draw,
+    make_generator,
+    next_token,
+    probs_from_logits,
+    process,
+)
 from specdec.spec.base import Draft
 from specdec.spec.verify import verify_chain
 
@@ -81,19 +92,111 @@ def test_fast_sampler_equals_transformers_warpers(name, logits, params):
         torch.testing.assert_close(ref, hf_probs(logits, params), atol=2e-6, rtol=1e-5)
 
 
+def random_params(g: torch.Generator) -> SamplingParams:
+    return SamplingParams(temperature=float(torch.rand(1, generator=g)) * 2 + 0.05,
+                          top_k=int(torch.randint(0, 60, (1,), generator=g)),
+                          top_p=float(torch.rand(1, generator=g)) * 0.9 + 0.1 if torch.rand(1, generator=g) < 0.7
+                          else 1.0,
+                          min_p=float(torch.rand(1, generator=g)) * 0.3 if torch.rand(1, generator=g) < 0.5 else 0.0)
+
+
 def test_fast_sampler_on_random_settings():
     g = torch.Generator().manual_seed(1)
     for _ in range(200):
         logits = torch.randn(2, 400, generator=g) * float(torch.rand(1, generator=g) * 6)
         if torch.rand(1, generator=g) < 0.3:
             logits = logits.round()  # many ties
-        params = SamplingParams(temperature=float(torch.rand(1, generator=g)) * 2 + 0.05,
-                                top_k=int(torch.randint(0, 60, (1,), generator=g)),
-                                top_p=float(torch.rand(1, generator=g)) * 0.9 + 0.1 if torch.rand(1, generator=g) < 0.7
-                                else 1.0,
-                                min_p=float(torch.rand(1, generator=g)) * 0.3 if torch.rand(1, generator=g) < 0.5
-                                else 0.0)
+        params = random_params(g)
         torch.testing.assert_close(dense(logits, params), probs_from_logits(logits, params), atol=2e-6, rtol=1e-5)
+
+
+needs_kernel = pytest.mark.skipif(kernels.sample_lib() is None, reason="no C compiler: no sampling kernel")
+
+
+def kernel_dist(row: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """sample.c's kept candidates and probabilities as a dense row [V]; None on its dense path (no truncation)."""
+    _, ids, probs = kernels.sample_row(row.contiguous(), params.top_k, params.temperature, params.top_p, params.min_p,
+                                       0.5, want_candidates=True)
+    if len(ids) == 0:
+        return None
+    ranked = [(-float(row[i]), -int(i)) for i in ids]
+    assert ranked == sorted(ranked)  # value descending, ties by id descending: the dense reference's ranking
+    out = torch.zeros(row.shape[0], dtype=torch.float64)
+    out[ids] = probs
+    return out
+
+
+def inverse_cdf(p: torch.Tensor, order: torch.Tensor, u: float) -> tuple[int, float]:
+    """The reference pick for u over p [V] walked in `order`, and how far u is from the nearest step edge."""
+    cdf = p[order].double().cumsum(0)
+    i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True)[0])
+    return int(order[min(i, len(order) - 1)]), float((cdf - u * cdf[-1]).abs().min())
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,logits,params", edge_cases(), ids=[c[0] for c in edge_cases()])
+def test_sampling_kernel_equals_the_reference(name, logits, params):
+    """sample.c's kept candidates carry the dense reference's probabilities (ties, one-token mass, top-k past the
+    vocabulary, min-p leaving one, tiny and huge temperatures, partial selections that must grow), and its pick for
+    a uniform u is the reference's inverse CDF in the same order (away from rounding at a step's edge)."""
+    ref = probs_from_logits(logits, params).double()
+    for r in range(logits.shape[0]):
+        row = logits[r].contiguous()
+        got = kernel_dist(row, params)
+        if got is None:  # the dense path: temperature only, the vocabulary walked in order
+            assert params.top_k in (0,) or params.top_k >= row.shape[0]
+            order = torch.arange(row.shape[0])
+        else:
+            torch.testing.assert_close(got, ref[r], atol=2e-6, rtol=1e-5)
+            order = torch.tensor(sorted(range(row.shape[0]), key=lambda i: (-float(row[i]), -i)))
+        for u in torch.rand(200, generator=torch.Generator().manual_seed(r), dtype=torch.float64).tolist():
+            want, margin = inverse_cdf(ref[r], order, u)
+            if margin > 1e-5:
+                assert kernels.sample_row(row, params.top_k, params.temperature, params.top_p, params.min_p,
+                                          u) == want, (name, u)
+
+
+@needs_kernel
+def test_sampling_kernel_on_random_settings():
+    g = torch.Generator().manual_seed(6)
+    for _ in range(300):
+        V = int(torch.randint(2, 3000, (1,), generator=g))
+        logits = torch.randn(V, generator=g) * float(torch.rand(1, generator=g) * 6)
+        if torch.rand(1, generator=g) < 0.3:
+            logits = logits.round()  # many ties
+        if torch.rand(1, generator=g) < 0.2:
+            logits[torch.randint(0, V, (V // 3,), generator=g)] = -math.inf  # banned tokens (logit bias -inf)
+        params = random_params(g)
+        got = kernel_dist(logits, params)
+        if got is not None:
+            torch.testing.assert_close(got, probs_from_logits(logits[None], params)[0].double(), atol=2e-6,
+                                       rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["sample.c", "without the kernel"])
+@pytest.mark.parametrize("params", [SamplingParams(0.9, 8, 0.9), SamplingParams(0.8, 40, 0.95, 0.05),
+                                    SamplingParams(1.0), SamplingParams(0.7, 0, 0.8)],
+                         ids=["top-k, top-p", "defaults", "temperature only", "top-p only"])
+def test_draws_follow_the_distribution(params, kernel, monkeypatch):
+    """draw() with each position's uniform (Draws.u, the coupling's randomness) samples p: chi-square over 20k
+    positions, with the kernel and on the torch fallback; and it is a function of (logits, u): same u, same token."""
+    if kernel and kernels.sample_lib() is None:
+        pytest.skip("no C compiler: the sampling kernel is not built")
+    if not kernel:
+        monkeypatch.setattr(kernels, "sample_row", lambda *a, **k: None)
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(2)) * 2
+    p = probs_from_logits(logits[None], params)[0]
+    n = 20_000
+    d = Draws(11)
+    got = torch.tensor([draw(logits, params, d.u(i)) for i in range(n)])
+    freq = torch.bincount(got, minlength=1000).float()
+    keep = p > 1e-4
+    assert freq[p == 0].sum() == 0  # tokens the truncations removed never come out
+    expected = p[keep] * n
+    chi2 = float(((freq[keep] - expected) ** 2 / expected).sum())
+    df = int(keep.sum()) - 1
+    assert chi2 < df + 5 * math.sqrt(2 * df) + 10, (chi2, df)
+    assert draw(logits, params, d.u(5)) == int(got[5])
 
 
 def test_samples_follow_the_distribution_and_the_seed():
@@ -195,3 +298,29 @@ def test_speculative_sampling_with_penalties_is_plain_sampling():
     wrong = counts(spec_three, 3, honest=False)
     stat_wrong, df_wrong = two_sample_chi2(plain, wrong)
     assert stat_wrong > 3 * (df_wrong + 4.5 * math.sqrt(2 * df_wrong)), (stat_wrong, df_wrong)
+
+
+def test_coupled_speculative_sampling_with_penalties_is_the_plain_text():
+    """Under a sequence's Draws, point-mass drafts are verified by coupling: the output is the plain sampled text
+    token for token, penalties and logit bias included, whatever was drafted; a verifier that penalizes with the
+    wrong history writes another text."""
+    def plain(d: Draws) -> tuple[int, ...]:
+        ctx = list(PROMPT)
+        for i in range(3):
+            ctx.append(next_token(toy_logits(ctx), PEN, d.shifted(i), ctx, len(PROMPT)))
+        return tuple(ctx[len(PROMPT):])
+
+    def spec(d: Draws, honest: bool = True) -> tuple[int, ...]:
+        ctx = list(PROMPT)
+        while len(ctx) < len(PROMPT) + 3:
+            draft = Draft([(ctx[-1] + 1) % V, (ctx[-1] + 2) % V])
+            logits = torch.stack([toy_logits(r) for r in (ctx, ctx + draft.tokens[:1], ctx + draft.tokens)])
+            n, nxt = verify_chain(logits, draft, PEN, d.shifted(len(ctx) - len(PROMPT)),
+                                  ctx if honest else PROMPT, len(PROMPT))
+            ctx += draft.tokens[:n] + [nxt]
+        return tuple(ctx[len(PROMPT):len(PROMPT) + 3])
+
+    seeds = range(400)
+    assert all(spec(Draws(s)) == plain(Draws(s)) for s in seeds)
+    assert sum(spec(Draws(s), honest=False) != plain(Draws(s)) for s in seeds) > 20
+    assert len({plain(Draws(s)) for s in seeds}) > 50  # and the seeds do give different texts

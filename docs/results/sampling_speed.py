@@ -4,7 +4,7 @@
    tok/s, the ratio to greedy, and the sampler's cost per token (1 / tok/s - 1 / greedy tok/s).
 2. n-gram drafting at temperatures 0, 0.3, 0.6, 0.8, 1.0 (the CLI's top-k / top-p / min-p) on a rewrite prompt and
    on Spec-Bench summarization prompts: acceptance per position, mean accepted length, speedup over plain sampling
-   at the same temperature.
+   at the same temperature; and on Spec-Bench rag prompts.
 
     python docs/results/sampling_speed.py --json docs/results/sampling-speed.json
 """
@@ -72,10 +72,11 @@ def main() -> int:
         speed.append({"setting": name, "tok_s": m, "vs_greedy": m / greedy, "cost_ms": cost, "runs": v})
         print(f"| {name} | {m:.1f} | {m / greedy:.2f}x | {cost:.3f} ms |", flush=True)
 
-    prompts = {"rewrite": [tok.encode_chat([{"role": "user", "content": REWRITE}])],
-               "summarization": [tok.encode_chat([{"role": "user", "content": p.text}]) for p in
-                                 load_prompts("../shared/data/spec_bench/question.jsonl", "summarization",
-                                              a.summaries)]}
+    bench = "../shared/data/spec_bench/question.jsonl"
+    prompts = {"rewrite": [tok.encode_chat([{"role": "user", "content": REWRITE}])]}
+    for cat in ("summarization", "rag"):
+        prompts[cat] = [tok.encode_chat([{"role": "user", "content": p.text}])
+                        for p in load_prompts(bench, cat, a.summaries)]
     accept = []
     print("\n| prompts | temperature | plain tok/s | ngram tok/s | speedup | mean accepted | acceptance by position |"
           "\n|---|---|---|---|---|---|---|")

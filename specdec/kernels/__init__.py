@@ -45,7 +45,8 @@ def _build(name: str, fallback: str) -> ctypes.CDLL | None:
         return None
     source = SOURCE.with_name(f"{name}.c")
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_id()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *FLAGS]).encode() + _cpu_id()).hexdigest()[:16]
     lib = cache_dir() / f"{name}-{key}.so"
     if not lib.exists():
         print(f"specdec: compiling the {name} kernel (once per machine, ~10 s)", file=sys.stderr, flush=True)
@@ -228,22 +229,52 @@ def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor
 
 
 @functools.cache
-def topk_lib() -> ctypes.CDLL | None:
-    """The compiled top-n selection (topk.c), or None: sampling then uses torch.topk."""
-    dll = _build("topk", "torch.topk, which makes sampling with top-k slower")
+def sample_lib() -> ctypes.CDLL | None:
+    """The compiled sampling kernels (sample.c: top-n selection, the sampler of one row), or None: sampling then
+    uses torch.topk and the numpy / torch path of sampling.py."""
+    dll = _build("sample", "torch.topk and torch ops, which makes sampling slower")
     if dll is None:
         return None
-    ptr = ctypes.c_void_p
+    ptr, c_long = ctypes.c_void_p, ctypes.c_long
     dll.specdec_topk.restype = ctypes.c_int
-    dll.specdec_topk.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int, ptr, ptr]
+    dll.specdec_topk.argtypes = [ptr, c_long, c_long, c_long, ctypes.c_int, ptr, ptr]
+    dll.specdec_sample.restype = c_long
+    dll.specdec_sample.argtypes = [ptr, c_long, ctypes.c_int, ctypes.c_float, ctypes.c_double, ctypes.c_double,
+                                   ctypes.c_double, ptr, ptr, ctypes.c_int, ptr]
     return dll
+
+
+def sample_row(x: torch.Tensor, k: int, temperature: float, top_p: float, min_p: float, u: float,
+               want_candidates: bool = False) -> int | tuple[int, torch.Tensor, torch.Tensor] | None:
+    """One token drawn by sample.c from the processed distribution of one row of logits x [V] (CPU float32,
+    contiguous) with the uniform u: inverse CDF over the ranked survivors of top-k / top-p / min-p (see
+    specdec_sample). None when the kernel is not built or the row needs sampling.py's general path (no finite
+    value). want_candidates: (token, kept ids [m], their probabilities [m], float64) instead, for tests."""
+    lib = sample_lib() if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() else None
+    if lib is None:
+        return None
+    V = x.shape[-1]
+    ids = probs = None
+    n = ctypes.c_int(0)
+    if want_candidates:
+        ids, probs = torch.empty(V, dtype=torch.long), torch.empty(V, dtype=torch.float64)
+    tok = lib.specdec_sample(x.data_ptr(), V, k, max(temperature, 1e-5), top_p, min_p, u,
+                             ids.data_ptr() if ids is not None else None,
+                             probs.data_ptr() if probs is not None else None, V, ctypes.byref(n))
+    if tok == -2:
+        raise MemoryError("the sampling kernel ran out of memory")
+    if tok < 0:
+        return None
+    if want_candidates:
+        return tok, ids[:n.value], probs[:n.value]
+    return tok
 
 
 def topk(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The n largest values of each row of x [R, V] and their indices, sorted descending (like torch.topk; equal
-    values in no particular order), in one pass of topk.c on CPU float32 (~25x faster than torch.topk for a
+    values in no particular order), in one pass of sample.c on CPU float32 (~25x faster than torch.topk for a
     49152-wide row here), else torch.topk."""
-    lib = topk_lib() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
+    lib = sample_lib() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
     if lib is None or not 1 <= n <= x.shape[1]:
         return torch.topk(x, n, dim=-1)
     if x.stride(1) != 1:

@@ -1,11 +1,11 @@
 """`python -m specdec.kernels`: build the native kernels now (make setup does) and say where they are."""
 
-from . import attention_lib, matmul_lib, topk_lib
+from . import attention_lib, matmul_lib, sample_lib
 
 lib = attention_lib()
 print(f"attention kernel: {lib._name}" if lib else "attention kernel: not built, PyTorch SDPA will be used")
 lib = matmul_lib()
 print(f"matmul kernel: {lib._name}" if lib else "matmul kernel: not used (no compiler or no AVX-512 VNNI), PyTorch's "
       "weight-only kernels will be")
-lib = topk_lib()
-print(f"top-k kernel: {lib._name}" if lib else "top-k kernel: not built, torch.topk will be used")
+lib = sample_lib()
+print(f"sampling kernel: {lib._name}" if lib else "sampling kernel: not built, torch.topk and torch ops will be used")

@@ -76,23 +76,16 @@ def verify_tree_stochastic(p, tokens: list[int], parents: list[int],
     """p: the processed target distributions of the rows (sampling.Dist, or dense [N+1, V]; row 0 = root) ->
     (accepted path, next token).
 
-    For deterministic trees (siblings are distinct point masses): recursive rejection sampling, see module doc. With
-    position-keyed Draws: each row on the path draws plain decoding's token for its position and the walk moves to
-    the child holding it (the same acceptance law, sum of the children's p; the output is the plain sampled text)."""
+    For deterministic trees (siblings are distinct point masses): recursive rejection sampling, see module doc.
+    (Under a sequence's position-keyed Draws, verify.verify_tree walks the tree by coupling instead.)"""
     from ..sampling import Dist, Draws
 
     if isinstance(p, torch.Tensor):
         p = Dist(None, p, p.shape[-1])
+    if isinstance(generator, Draws):
+        generator = generator.at(0)
     kids = children(parents)
     node, accepted = -1, []
-    if isinstance(generator, Draws):
-        while True:
-            y = int(p.sample(generator.at(len(accepted)), node + 1))
-            nxt = next((c for c in kids.get(node, []) if tokens[c] == y), None)
-            if nxt is None:
-                return accepted, y
-            accepted.append(nxt)
-            node = nxt
     while True:
         ids, probs = p.row(node + 1)
         r = probs.clone()

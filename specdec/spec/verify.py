@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..sampling import Dist, Draws, SamplingParams, apply_penalties, argmax, process, sample
+from ..sampling import Dist, Draws, SamplingParams, apply_penalties, argmax, draw, process, sample
 from .base import Draft
 
 
@@ -36,21 +36,12 @@ def verify_stochastic(p: Dist | torch.Tensor, draft: Draft, generator: torch.Gen
     recovered token from norm(max(0, p_i - q_i)); when all k are accepted draw the bonus token from p_k. The output
     is then distributed exactly as p. With q = None, q_i is the point mass on x_i: accept with probability
     p_i(x_i), and on rejection draw from p_i with x_i removed. Only the drafted tokens' probabilities are looked
-    up row by row; a residual is built only at the first rejected row.
-
-    With position-keyed Draws (a sequence's own randomness) and point masses, the same acceptance law is realized
-    by coupling: row i draws the token plain decoding would draw at its position (Draws.at(i)) and x_i is accepted
-    iff it is that token; the output is then exactly the plain sampled text (drafter-invariant, see Draws). Drafts
-    with a distribution q are verified by rejection sampling with the generator of the first position."""
+    up row by row; a residual is built only at the first rejected row. A sequence's Draws give the generator of
+    its first position (point-mass drafts under Draws are verified by coupling instead: verify_coupled)."""
     if isinstance(p, torch.Tensor):
         p = Dist(None, p, p.shape[-1])
     k = len(draft.tokens)
     if isinstance(generator, Draws):
-        if draft.q is None:
-            for i in range(k + 1):
-                y = int(p.sample(generator.at(i), i))
-                if i == k or y != draft.tokens[i]:
-                    return i, y
         generator = generator.at(0)
     if k == 0:
         return 0, int(p.sample(generator, 0))
@@ -80,6 +71,21 @@ def verify_stochastic(p: Dist | torch.Tensor, draft: Draft, generator: torch.Gen
     return k, int(p.sample(generator, k))
 
 
+def verify_coupled(logits: torch.Tensor, draft: Draft, params: SamplingParams, draws: Draws,
+                   history: Sequence[Sequence[int]] | None = None, n_prompt: int = 0) -> tuple[int, int]:
+    """Point-mass drafts under position-keyed Draws: the acceptance law of verify_stochastic (x_i accepted with
+    probability p_i(x_i), the recovered token from p_i without x_i) realized by coupling: row i draws the very token
+    plain decoding draws at its position (sampling.draw with Draws.u(i)) and x_i is accepted iff it is that token,
+    so the output is the plain sampled text itself (drafter-invariant, see Draws). Rows after the first rejection
+    are never processed."""
+    k = len(draft.tokens)
+    for i in range(k + 1):
+        y = draw(logits[i], params, draws.u(i), history[i] if history else None, n_prompt)
+        if i == k or y != draft.tokens[i]:
+            return i, y
+    raise AssertionError("unreachable")
+
+
 def target_dist(logits: torch.Tensor, params: SamplingParams, history: Sequence[Sequence[int]] | None = None,
                 n_prompt: int = 0) -> Dist:
     """The processed target distribution of every verified row; history[r]: row r's context (for penalties)."""
@@ -97,13 +103,15 @@ def verify_chain(logits: torch.Tensor, draft: Draft, params: SamplingParams, gen
         if params.penalized:
             logits = apply_penalties(logits.float(), params, history, n_prompt)
         return verify_greedy(logits, draft)
+    if isinstance(generator, Draws) and draft.q is None:
+        return verify_coupled(logits, draft, params, generator, history, n_prompt)
     return verify_stochastic(target_dist(logits, params, history, n_prompt), draft, generator)
 
 
 def verify_tree(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator | Draws | None,
                 context: Sequence[int] = (), n_prompt: int = 0) -> tuple[list[int], int]:
     """logits [N+1, V] for [root, nodes...] of a tree draft -> (accepted node indices along one path, next token)."""
-    from .tree import paths, verify_tree_greedy, verify_tree_stochastic
+    from .tree import children, paths, verify_tree_greedy, verify_tree_stochastic
 
     history = None
     if params.penalized:  # each node's row follows its own root-to-node path
@@ -115,5 +123,16 @@ def verify_tree(logits: torch.Tensor, draft: Draft, params: SamplingParams, gene
         return verify_tree_greedy(logits, draft.tokens, draft.parents)
     if draft.q is not None:
         raise ValueError("stochastic verification of sampled trees is not supported: draft deterministic trees")
+    if isinstance(generator, Draws):  # coupled, as verify_coupled: each row on the path draws plain decoding's token
+        kids = children(draft.parents)
+        node, accepted = -1, []
+        while True:
+            y = draw(logits[node + 1], params, generator.u(len(accepted)), history[node + 1] if history else None,
+                     n_prompt)
+            nxt = next((c for c in kids.get(node, []) if draft.tokens[c] == y), None)
+            if nxt is None:
+                return accepted, y
+            accepted.append(nxt)
+            node = nxt
     return verify_tree_stochastic(target_dist(logits, params, history, n_prompt), draft.tokens, draft.parents,
                                   generator)

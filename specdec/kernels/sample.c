@@ -1,0 +1,280 @@
+/* Sampling kernels (sampling.py): the top-n selection, and the whole sampler of one row of logits.
+
+   specdec_topk: the n largest values of each row of a float32 matrix, with their indices (torch.topk over a
+   49152-token vocabulary costs 70-170 us per row on this CPU). One pass per row: a min-heap of the n best so far; 16 values at a time are compared with the heap's minimum
+   (AVX-512 where the compiler targets it, else plain loops vectorized by the compiler) and only those above it are
+   inserted, which after the first few thousand values is rare. Output sorted by value, descending; equal values in
+   no particular order (callers rank ties themselves). NaN compares false everywhere and is never selected. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline void sift_down(float *hv, int32_t *hi, int n, int i) {
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, m = i;
+        if (l < n && hv[l] < hv[m]) m = l;
+        if (r < n && hv[r] < hv[m]) m = r;
+        if (m == i) return;
+        float tv = hv[i];
+        int32_t ti = hi[i];
+        hv[i] = hv[m], hi[i] = hi[m], hv[m] = tv, hi[m] = ti;
+        i = m;
+    }
+}
+
+/* The n largest of row[0 .. V) (1 <= n <= V), sorted descending, into ov / oi; hv / hi: scratch of n. Returns
+   how many were found (< n only when the row holds NaN). */
+static int top_row(const float *row, long V, int n, float *hv, int32_t *hi, float *ov, int64_t *oi) {
+    int size = 0;
+    long j = 0;
+    for (; j < V && size < n; j++) { /* fill the heap, NaN skipped */
+        float v = row[j];
+        if (v != v) continue;
+        int i = size++;
+        hv[i] = v, hi[i] = (int32_t)j;
+        while (i > 0 && hv[(i - 1) / 2] > hv[i]) { /* sift up */
+            int p = (i - 1) / 2;
+            float tv = hv[p];
+            int32_t ti = hi[p];
+            hv[p] = hv[i], hi[p] = hi[i], hv[i] = tv, hi[i] = ti;
+            i = p;
+        }
+    }
+    for (; j < V; j += 16) {
+        long end = j + 16 < V ? j + 16 : V;
+        float lo = hv[0];
+        int any = 0;
+        for (long t = j; t < end; t++) any |= row[t] > lo;
+        if (!any) continue;
+        for (long t = j; t < end; t++)
+            if (row[t] > hv[0]) {
+                hv[0] = row[t], hi[0] = (int32_t)t;
+                sift_down(hv, hi, size, 0);
+            }
+    }
+    /* heap -> descending order: pop the minimum into the last free slot */
+    int found = size;
+    for (int k = size - 1; k >= 0; k--) {
+        ov[k] = hv[0], oi[k] = hi[0];
+        hv[0] = hv[k], hi[0] = hi[k];
+        sift_down(hv, hi, k, 0);
+    }
+    return found;
+}
+
+/* x: [rows, V] f32 (row stride `stride` floats); out_v / out_i: [rows, n]. Requires 1 <= n <= V. Returns 0, or -1
+   when out of memory. */
+int specdec_topk(const float *x, long rows, long V, long stride, int n, float *out_v, int64_t *out_i) {
+    float *hv = malloc(sizeof(float) * (size_t)n);
+    int32_t *hi = malloc(sizeof(int32_t) * (size_t)n);
+    if (!hv || !hi) {
+        free(hv), free(hi);
+        return -1;
+    }
+    for (long r = 0; r < rows; r++) {
+        float *ov = out_v + r * n;
+        int64_t *oi = out_i + r * n;
+        int size = top_row(x + r * stride, V, n, hv, hi, ov, oi);
+        for (int k = size; k < n; k++) ov[k] = -__builtin_inff(), oi[k] = 0; /* rows of NaN only */
+    }
+    free(hv), free(hi);
+    return 0;
+}
+
+/* ---- the sampler of one row ------------------------------------------------------------------------------------ */
+
+#define TIE_SLACK 16   /* candidates taken past the k-th, so a run of values tied with it is usually inside */
+#define PARTIAL_START 64 /* candidates first tried for top-p / min-p without top-k, times 4 while needed */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include "vexp.h"
+#endif
+
+/* max over a row, NaN skipped (-inf when nothing else) */
+static float row_max(const float *x, long V) {
+    float m = -__builtin_inff();
+    for (long j = 0; j < V; j++)
+        if (x[j] > m) m = x[j];
+    return m;
+}
+
+/* e[0 .. end - j) = exp((x[j ..] - m) / t) for one block of at most 16 values (0 for NaN and for arguments below
+   -87, i.e. weights below 1e-38 of the top one), and their sum in double. The one definition of a token's weight on
+   the dense path: both passes of inverse CDF call it, so the totals they see agree bitwise. */
+static double block_exp(const float *x, long j, long end, float m, float inv_t, float *e) {
+#if defined(__AVX512F__)
+    __mmask16 in = (__mmask16)((1u << (end - j)) - 1u);
+    __m512 v = _mm512_maskz_loadu_ps(in, x + j);
+    __m512 a = _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(m)), _mm512_set1_ps(inv_t));
+    __mmask16 ok = _mm512_mask_cmp_ps_mask(in, a, _mm512_set1_ps(-87.0f), _CMP_GE_OQ); /* NaN compares false */
+    __m512 w = _mm512_maskz_mov_ps(ok, exp_nonpos(a));
+    _mm512_storeu_ps(e, w);
+    return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(w)),
+                                              _mm512_cvtps_pd(_mm512_extractf32x8_ps(w, 1))));
+#else
+    double s = 0.0;
+    for (long i = j; i < end; i++) {
+        float a = (x[i] - m) * inv_t;
+        e[i - j] = a >= -87.0f ? expf(a) : 0.0f;
+        s += e[i - j];
+    }
+    for (long i = end - j; i < 16; i++) e[i] = 0.0f;
+    return s;
+#endif
+}
+
+/* the dense path: inverse CDF over the whole row at temperature t, in vocabulary order */
+static long sample_dense(const float *x, long V, float m, float inv_t, double u) {
+    float e[16];
+    double z = 0.0;
+    for (long j = 0; j < V; j += 16) z += block_exp(x, j, j + 16 < V ? j + 16 : V, m, inv_t, e);
+    if (!(z > 0.0)) return -1;
+    double target = u * z, cum = 0.0;
+    long last = -1;
+    for (long j = 0; j < V; j += 16) {
+        long end = j + 16 < V ? j + 16 : V;
+        double s = block_exp(x, j, end, m, inv_t, e);
+        if (cum + s > target) { /* inside this block: walk it */
+            double c = cum;
+            for (long i = j; i < end; i++) {
+                if (e[i - j] <= 0.0f) continue;
+                c += e[i - j];
+                last = i;
+                if (c > target) return i;
+            }
+            return last; /* the walk's rounding fell short of the block's sum: its last token with weight */
+        }
+        cum += s;
+        for (long i = end - 1; i >= j; i--)
+            if (e[i - j] > 0.0f) {
+                last = i;
+                break;
+            }
+    }
+    return last;
+}
+
+/* rank equal values by id descending (the reverse of a stable ascending sort, as the dense reference ranks them) */
+static void rank_ties(float *cv, int64_t *ci, int n) {
+    for (int a = 0; a < n;) {
+        int b = a + 1;
+        while (b < n && cv[b] == cv[a]) b++;
+        for (int i = a + 1; i < b; i++) /* insertion sort of the run by id, descending */
+            for (int j = i; j > a && ci[j] > ci[j - 1]; j--) {
+                int64_t t = ci[j];
+                ci[j] = ci[j - 1], ci[j - 1] = t;
+            }
+        a = b;
+    }
+}
+
+static long count_at_least(const float *x, long V, float v) {
+    long c = 0;
+    for (long j = 0; j < V; j++) c += x[j] >= v;
+    return c;
+}
+
+/* One token drawn from the processed distribution of a row of logits x [V]: temperature t, then top-k (k <= 0 or
+   k >= V: off), top-p (top_p >= 1: off), min-p (min_p <= 0: off), in Hugging Face's warper order (the definitions
+   are sampling.probs_from_logits'), by inverse CDF with the uniform u in [0, 1): the first candidate whose running
+   probability exceeds u. Candidates are ranked by value descending, equal values by id descending; with no
+   truncation set the whole vocabulary is walked in order, without sorting. With top-k only the top k + slack values
+   are ranked (every value tied with the k-th is taken); top-p and min-p without top-k take the top 64, 256, ...
+   until their survivors are all inside (a prefix of the ranking), with the normalizer over the whole row.
+   ids / probs (capacity cap, or NULL): the kept candidates and their probabilities, their number in *n_out (0 on
+   the dense path). Returns the token; -1 when the row has no finite value (the caller's general path takes it);
+   -2 when out of memory. */
+long specdec_sample(const float *x, long V, int k, float t, double top_p, double min_p, double u, int64_t *ids,
+                    double *probs, int cap, int *n_out) {
+    if (n_out) *n_out = 0;
+    float m = row_max(x, V);
+    if (!(m > -__builtin_inff()) || !(t > 0.0f)) return -1;
+    float inv_t = 1.0f / t;
+    int topk = k > 0 && k < V, partial = !topk && (top_p < 1.0 || min_p > 0.0);
+    if (!topk && !partial) return sample_dense(x, V, m, inv_t, u);
+    double z_full = 0.0;
+    if (partial) {
+        float e[16];
+        for (long j = 0; j < V; j += 16) z_full += block_exp(x, j, j + 16 < V ? j + 16 : V, m, inv_t, e);
+    }
+    long n = topk ? (k + TIE_SLACK < V ? k + TIE_SLACK : V) : PARTIAL_START;
+    float *cv = NULL, *hv = NULL;
+    int64_t *ci = NULL;
+    int32_t *hi = NULL;
+    double *w = NULL;
+    long result = -2, kept = 0;
+    for (;;) {
+        if (n > V) n = V;
+        free(cv), free(hv), free(ci), free(hi), free(w);
+        cv = malloc(sizeof(float) * n), hv = malloc(sizeof(float) * n), ci = malloc(sizeof(int64_t) * n);
+        hi = malloc(sizeof(int32_t) * n), w = malloc(sizeof(double) * n);
+        if (!cv || !hv || !ci || !hi || !w) goto done;
+        long found = top_row(x, V, (int)n, hv, hi, cv, ci);
+        float edge = cv[topk ? k - 1 : found - 1]; /* the k-th value / the last candidate */
+        if (found == n && n < V && cv[n - 1] >= edge) { /* a run of ties crosses the selection's end: take it all */
+            long all = count_at_least(x, V, edge);
+            if (all > n) {
+                n = all;
+                continue;
+            }
+        }
+        kept = 0;
+        while (kept < found && (!topk || cv[kept] >= edge)) kept++;
+        if (partial) { /* are all survivors inside the top n? */
+            double mass = 0.0;
+            for (long i = 0; i < kept; i++) mass += exp(((double)cv[i] - m) * inv_t);
+            int enough = n == V || (top_p < 1.0 && mass / z_full >= top_p) ||
+                         (min_p > 0.0 && ((double)cv[kept - 1] - cv[0]) * inv_t < log(min_p));
+            if (!enough) {
+                n *= 4;
+                continue;
+            }
+        }
+        break;
+    }
+    rank_ties(cv, ci, (int)kept);
+    double z = 0.0;
+    for (long i = 0; i < kept; i++) z += w[i] = exp(((double)cv[i] - cv[0]) * inv_t);
+    if (top_p < 1.0) { /* drop the tail whose mass, summed from the bottom, is <= 1 - top_p; the top one stays */
+        double scale = partial ? exp(((double)cv[0] - m) * inv_t) / z_full : 1.0 / z;
+        double below = 0.0, cum = 0.0;
+        if (partial) {
+            for (long i = 0; i < kept; i++) below += w[i] * scale;
+            below = below < 1.0 ? 1.0 - below : 0.0;
+        }
+        long last = 0;
+        for (long i = kept - 1; i >= 0; i--) {
+            cum += w[i] * scale;
+            if (cum + below > 1.0 - top_p) {
+                last = i;
+                break;
+            }
+        }
+        kept = last + 1;
+    }
+    if (min_p > 0.0) { /* drop tokens below min_p x the top probability (w[0] = 1 is the top) */
+        long i = 1;
+        while (i < kept && w[i] >= min_p * w[0]) i++;
+        kept = i;
+    }
+    z = 0.0;
+    for (long i = 0; i < kept; i++) z += w[i];
+    double target = u * z, cum = 0.0;
+    result = ci[kept - 1];
+    for (long i = 0; i < kept; i++) {
+        cum += w[i];
+        if (cum > target) {
+            result = ci[i];
+            break;
+        }
+    }
+    if (ids && kept <= cap) {
+        for (long i = 0; i < kept; i++) ids[i] = ci[i], probs[i] = w[i] / z;
+        if (n_out) *n_out = (int)kept;
+    }
+done:
+    free(cv), free(hv), free(ci), free(hi), free(w);
+    return result;
+}
