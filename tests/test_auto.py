@@ -189,3 +189,22 @@ def test_a_losing_costly_source_is_not_run():
     before = heads2.calls
     lengths = run(auto2, 400, wrong)
     assert 1 <= heads2.calls - before <= 8 and sum(lengths) <= 8  # exponential backoff: 16, 32, 64, ... steps apart
+
+
+def test_a_slow_first_step_does_not_make_drafting_look_free():
+    """The first forward of a generation runs cold and is not timed; a v(1) above a measured v(2) (an outlier
+    among the few plain steps while a source drafts every step) is replaced by v(2), so v(T) / v(1) >= 1."""
+    from specdec.spec.autok import AutoDraftLength
+
+    pol = AutoDraftLength(4)
+    pol.update(0, 0, 0.020, 0.0)  # cold: 20 ms, ignored
+    assert pol.forward_s(1) is None
+    pol.update(0, 0, 0.004, 0.0)
+    pol.update(1, 0, 0.0046, 0.0)
+    assert pol.forward_s(1) == pytest.approx(0.004) and pol.verify_cost(2) == pytest.approx(1.15)
+    slow = AutoDraftLength(4)
+    slow.cold = False
+    slow.update(0, 0, 0.006, 0.0)  # a slow plain step, then drafted steps at T = 2, 3
+    slow.update(1, 0, 0.0045, 0.0)
+    slow.update(2, 0, 0.0050, 0.0)
+    assert slow.verify_cost(2) == 1.0 and slow.verify_cost(3) == pytest.approx(0.0050 / 0.0045)

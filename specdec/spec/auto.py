@@ -66,7 +66,7 @@ class AutoProposer:
             self.policies = copy.deepcopy(last)
             shared: dict[int, float] = {}
             for pol in self.policies.values():
-                pol.watching, pol.since_draft, pol.probing = [], 0, False
+                pol.watching, pol.since_draft, pol.probing, pol.cold = [], 0, False, True
                 # costs are measured afresh: v(T) depends on the context length, and an entry for a T that is no
                 # longer drafted would never be corrected (a long prompt's v(8) kept a short one from drafting)
                 pol.verify_s = shared

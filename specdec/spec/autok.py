@@ -66,6 +66,10 @@ class AutoDraftLength:
         self.predicted = 1.0  # the predicted speedup of the last choice
         self.watching: list[tuple] = []  # (candidate, draft class, tokens matched so far) awaiting emitted tokens
         self.watched = False  # full-information feedback: counts come from watch() / emitted(), not update()
+        # the first step of a generation runs cold (the prefill's data in cache, not the weights): its forward took
+        # 6.2 ms where the next took 3.9 (SmolLM2, docs/results/default-vs-plain.json's runs) and, as one of the
+        # few T = 1 samples while a source drafts every step, made v(2) / v(1) read 0.8: drafting looked free
+        self.cold = True
 
     def acceptance(self, draft_class: int | None = None) -> list[float]:
         """Per-position acceptance estimates; a position never reached yet borrows the one before it (the prior for
@@ -90,7 +94,10 @@ class AutoDraftLength:
         base = self.forward_s(1)
         if not base:  # nothing measured yet (or a forward timed at 0 s: bench found one)
             return 1.0 + 0.25 * (t - 1)
-        return (self.forward_s(t) or base) / base
+        two = self.verify_s.get(2)
+        if two and two < base:  # a forward over more tokens never costs less: v(1) holds a slow outlier
+            base = two
+        return max(1.0, (self.forward_s(t) or base) / base)
 
     def choose(self, draft_class: int | None = None, verify_cost: Callable[[int], float] | None = None) -> int:
         """This step's K; verify_cost: v(T)/v(1) when the caller has it at hand (spec/auto.py tabulates it once per
@@ -109,7 +116,9 @@ class AutoDraftLength:
         k + 1 tokens took verify_s seconds and drafting took draft_s; draft_class as choose() was given it."""
         t = k + 1
         old = self.verify_s.get(t)
-        self.verify_s[t] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
+        if not self.cold:
+            self.verify_s[t] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
+        self.cold = False
         if k == 0:
             self.since_draft += 1
             return
