@@ -130,26 +130,30 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: Sequence[Sequence[int]],
                     n_prompt: int = 0) -> torch.Tensor:
     """Penalized logits [R, V] (a copy): row r after the context history[r], whose first n_prompt tokens are the
-    prompt (presence and frequency count only the tokens after it)."""
-    out = logits.clone()
-    V = out.shape[-1]
+    prompt (presence and frequency count only the tokens after it). In numpy on the touched ids only (a token
+    count over the whole vocabulary per row cost ~0.3 ms a token here)."""
+    out = logits.detach().float().cpu().clone()
+    rows = out.numpy()
+    V = rows.shape[-1]
     for r, ctx in enumerate(history):
-        row = out[r]
+        row = rows[r]
         if params.repetition_penalty != 1.0 and params.repeat_last_n != 0:
             window = ctx if params.repeat_last_n < 0 else ctx[-params.repeat_last_n:]
-            if window:
-                ids = torch.tensor(sorted(set(window)), dtype=torch.long)
-                ids = ids[ids < V]
+            ids = np.fromiter((t for t in set(window) if 0 <= t < V), dtype=np.int64)
+            if ids.size:
                 x = row[ids]
-                row[ids] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+                rp = np.float32(params.repetition_penalty)
+                row[ids] = np.where(x > 0, x / rp, x * rp)
         if (params.presence_penalty or params.frequency_penalty) and len(ctx) > n_prompt:
-            counts = torch.bincount(torch.tensor(list(ctx[n_prompt:]), dtype=torch.long), minlength=V)[:V].float()
-            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+            ids, counts = np.unique(np.asarray(ctx[n_prompt:], dtype=np.int64), return_counts=True)
+            keep = (ids >= 0) & (ids < V)
+            ids, counts = ids[keep], counts[keep].astype(np.float32)
+            row[ids] -= np.float32(params.frequency_penalty) * counts + np.float32(params.presence_penalty)
     if params.logit_bias:
-        ids = torch.tensor([t for t, _ in params.logit_bias if t < V], dtype=torch.long)
-        bias = torch.tensor([b for t, b in params.logit_bias if t < V], dtype=out.dtype)
-        out[:, ids] += bias
-    return out
+        for t, b in params.logit_bias:
+            if t < V:
+                rows[:, t] += np.float32(b)
+    return out.to(logits.device)
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
