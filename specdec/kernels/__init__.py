@@ -177,6 +177,24 @@ def matmul_lib() -> ctypes.CDLL | None:
     return dll
 
 
+@functools.cache
+def forward_lib() -> ctypes.CDLL | None:
+    """forward.c: a forward's decoder layers in one call (Llama-family dense layers on the kernel plan), or None
+    (no compiler, or the matmul / attention kernels missing): the layers are then called one kernel at a time."""
+    if matmul_lib() is None or attention_lib() is None:
+        return None
+    dll = _build("forward", "one call per kernel from Python")
+    if dll is None:
+        return None
+    ptr, i, c_long, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    dll.specdec_layers.restype = i
+    dll.specdec_layers.argtypes = [ptr, i, i, ptr, ptr, c_long, i, i, i, i, i, i, f, f, i, ptr, ptr, ptr, ptr, ptr,
+                                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    dll.fns = [ctypes.cast(fn, ctypes.c_void_p).value for fn in
+               (matmul_lib().specdec_matmul, attention_lib().specdec_rope_store, attention_lib().specdec_attend)]
+    return dll
+
+
 LANES, GROUP = 16, 32  # output rows per block, inputs per quantization group (matmul.c)
 
 

@@ -446,7 +446,10 @@ class Transformer:
             rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(
                 positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
         feats = {}  # layer -> its input, for the aux layers (none in plain decoding)
-        for i, layer in enumerate(self.layers):
+        fast = self.fast_layers() if plan.kind == "kernel" else None
+        if fast is not None:
+            x = self._layers_in_c(fast, x, rope, rope_local, cache, plan, feats)
+        for i, layer in enumerate(self.layers if fast is None else ()):
             if self.aux_layers and i in self.aux_layers:
                 feats[i] = x
             c = cache.layer(i)
@@ -464,6 +467,70 @@ class Transformer:
         if self.aux_layers:
             return logits, torch.cat([feats[i] for i in self.aux_layers] + [h], dim=-1)
         return logits, (x if a.mtp_layout == "mimo" else h)
+
+    def fast_layers(self) -> torch.Tensor | None:
+        """Every layer's record for kernels/forward.c (int64 [layers, 23]: the four linear layers' codes, scales,
+        zeros, bits and rows, the norms, sliding or not), when all layers are Llama-family dense layers whose
+        linear layers run in the matmul kernel and the forward kernel is built; else None (cached)."""
+        if getattr(self, "_fast", False) is not False:
+            return self._fast
+        self._fast = None
+        a = self.args
+        lib = kernels.forward_lib() if self.device.type == "cpu" and self.dtype in kernels.DTYPES else None
+        if lib is None or a.attention == "mla" or a.sandwich_norms or a.activation != "silu":
+            return None
+        rows = []
+        for layer in self.layers:
+            lins = (getattr(layer, "wqkv", None), getattr(layer, "wo", None), getattr(layer, "w13", None),
+                    getattr(layer, "w2", None))
+            if layer.moe is not None or layer.mla is not None or layer.qk_norm is not None or not all(
+                    getattr(lin, "native", False) and lin.bias is None for lin in lins) or lins[2].out_features % 32:
+                return None
+            row = []
+            for lin in lins:
+                row += [lin.weight.data_ptr(), lin.scales.data_ptr(),
+                        lin.zeros.data_ptr() if getattr(lin, "zeros", None) is not None else 0, lin.bits,
+                        lin.out_features]
+            row += [layer.attn_norm.weight.data_ptr(), layer.ffn_norm.weight.data_ptr(),
+                    int(layer.sliding and a.sliding_window is not None)]
+            rows.append(row)
+        self._fast = torch.tensor(rows, dtype=torch.int64)
+        return self._fast
+
+    def _layers_in_c(self, records: torch.Tensor, x: torch.Tensor, rope, rope_local, cache: KVCache,
+                     plan: AttentionPlan, feats: dict) -> torch.Tensor:
+        """The layers through kernels/forward.c, in segments between the aux layers whose inputs are kept."""
+        a, lib = self.args, kernels.forward_lib()
+        layer0 = self.layers[0]
+        T, H, Hkv, D = x.shape[1], a.n_heads, a.n_kv_heads, layer0.head_dim
+        pool = cache.pool
+        ptrs = getattr(pool, "_layer_ptrs", None)
+        if ptrs is None:
+            ptrs = pool._layer_ptrs = (torch.tensor([c.kv.data_ptr() for c in pool.layers], dtype=torch.int64),
+                                       torch.tensor([c.kt.data_ptr() for c in pool.layers], dtype=torch.int64))
+        x = x.contiguous().clone()  # updated in place
+        qkv = torch.empty(T, (H + 2 * Hkv) * D, dtype=x.dtype)
+        o = torch.empty(T, H * D, dtype=x.dtype)
+        h = torch.empty(T, layer0.ffn_dim, dtype=x.dtype)
+        (spans_f, tails_f), (spans_s, tails_s) = plan.full, plan.sliding
+        cos, sin = rope
+        cos_l, sin_l = rope_local
+        cuts = sorted(i for i in (self.aux_layers or ()) if i < len(self.layers))
+        begin = 0
+        for end in [*cuts, len(self.layers)]:
+            if end > begin:
+                rc = lib.specdec_layers(
+                    records.data_ptr(), begin, end, ptrs[0].data_ptr(), ptrs[1].data_ptr(),
+                    pool.layers[0].kt.shape[1], T, a.dim, H, Hkv, D, layer0.ffn_dim, layer0.eps, layer0.scale,
+                    kernels.DTYPES[x.dtype], x.data_ptr(), qkv.data_ptr(), o.data_ptr(), h.data_ptr(),
+                    cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), plan.slots.data_ptr(),
+                    spans_f.data_ptr(), tails_f.data_ptr(), spans_s.data_ptr(), tails_s.data_ptr(), *lib.fns)
+                if rc != 0:
+                    raise MemoryError("a kernel ran out of memory") if rc == -1 else ValueError("kernel shapes")
+            if end < len(self.layers):
+                feats[end] = x.clone()
+            begin = end
+        return x
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed.rows(tokens).to(self.dtype)

@@ -1,0 +1,60 @@
+/* The decoder layers of a forward in one call: for Llama-family dense layers on the "kernel" attention plan, the
+   six kernel calls of a layer (fused RMSNorm + QKV projection, RoPE and cache writes, attention, output projection
+   + residual, fused RMSNorm + gate/up + SwiGLU, down projection + residual) issued from C for layers [i0, i1),
+   instead of from Python, where each call cost ~5-7 us of wrapper code (tensor allocation, checks, ctypes) on top
+   of its kernel: ~1 ms of a 3.9 ms SmolLM2 decode step (docs/results/forward-fast.txt).
+
+   The kernels are the very functions the Python path calls (their addresses in the loaded matmul and attention
+   libraries), with the same arguments, so every output is bitwise the Python path's (tested). The residual stream
+   x is updated in place (the matmul kernel reads each residual element before writing the same element). */
+
+#include <stdint.h>
+
+typedef int (*matmul_fn)(const void *x, int T, int K, int N, int bits, const uint8_t *w, const uint16_t *s,
+                         const uint16_t *z, void *y, int bf16, const float *norm, float eps, int swiglu,
+                         const void *residual);
+typedef void (*rope_fn)(void *qkv, int T, int H, int Hkv, int D, const float *cos, const float *sin, void *kv,
+                        void *kt, long tiles, const int64_t *slots, int esize);
+typedef int (*attend_fn)(const void *q, long q_stride, const void *kv, const void *kt, long tiles, int H, int Hkv,
+                         int D, int T, const int64_t *lo, const int64_t *hi, const int64_t *tails,
+                         const int64_t *toff, float scale, void *out, int bf16);
+
+/* One layer's record, int64 fields: for each of the four linear layers (qkv, o, gate/up, down) its codes, scales,
+   zeros (0: none), bits and output rows; then the two norms' f32 weights and whether the layer is sliding. */
+enum { LIN = 5, QKV = 0, O = LIN, W13 = 2 * LIN, W2 = 3 * LIN, ATTN_NORM = 4 * LIN, FFN_NORM, SLIDING, FIELDS };
+
+#define P(v) ((void *)(intptr_t)(v))
+
+static int linear(matmul_fn mm, const int64_t *l, const void *x, int T, int K, void *y, int bf16,
+                  const float *norm, float eps, int swiglu, const void *residual) {
+    return mm(x, T, K, (int)l[4], (int)l[3], P(l[0]), P(l[1]), P(l[2]), y, bf16, norm, eps, swiglu, residual);
+}
+
+/* layers [i0, i1) of records L over T rows: x [T, dim] (in place), scratch qkv [T, (H + 2 Hkv) D], o [T, H D],
+   h [T, ffn]; kv / kt: each layer's cache and key tiles; cos / sin (and the local tables of sliding layers) f32
+   [T, D]; slots [T]; spans / tails of the full and the sliding plan (kernels.row_spans). Returns 0, or the first
+   failing kernel's code (-1: out of memory, -2: shapes). */
+int specdec_layers(const int64_t *L, int i0, int i1, const int64_t *kv, const int64_t *kt, long tiles, int T,
+                   int dim, int H, int Hkv, int D, int ffn, float eps, float scale, int bf16, void *x, void *qkv,
+                   void *o, void *h, const float *cos, const float *sin, const float *cos_l, const float *sin_l,
+                   const int64_t *slots, const int64_t *spans_f, const int64_t *tails_f, const int64_t *spans_s,
+                   const int64_t *tails_s, const void *mm_p, const void *rope_p, const void *att_p) {
+    matmul_fn mm = (matmul_fn)mm_p;
+    rope_fn rope = (rope_fn)rope_p;
+    attend_fn att = (attend_fn)att_p;
+    int esize = bf16 ? 2 : 4, rc;
+    for (int i = i0; i < i1; i++) {
+        const int64_t *l = L + (long)i * FIELDS;
+        int sl = (int)l[SLIDING];
+        const int64_t *spans = sl ? spans_s : spans_f, *tails = sl ? tails_s : tails_f;
+        if ((rc = linear(mm, l + QKV, x, T, dim, qkv, bf16, P(l[ATTN_NORM]), eps, 0, 0))) return rc;
+        rope(qkv, T, H, Hkv, D, sl ? cos_l : cos, sl ? sin_l : sin, P(kv[i]), P(kt[i]), tiles, slots, esize);
+        rc = att(qkv, (long)(H + 2 * Hkv) * D, P(kv[i]), P(kt[i]), tiles, H, Hkv, D, T, spans, spans + T, tails,
+                 spans + 2 * T, scale, o, bf16);
+        if (rc) return rc;
+        if ((rc = linear(mm, l + O, o, T, H * D, x, bf16, 0, 0.0f, 0, x))) return rc;
+        if ((rc = linear(mm, l + W13, x, T, dim, h, bf16, P(l[FFN_NORM]), eps, 1, 0))) return rc;
+        if ((rc = linear(mm, l + W2, h, T, ffn, x, bf16, 0, 0.0f, 0, x))) return rc;
+    }
+    return 0;
+}

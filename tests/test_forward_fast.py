@@ -1,0 +1,86 @@
+"""kernels/forward.c runs a forward's decoder layers in one call: its logits and hidden states are bitwise those of
+the layer-by-layer Python path, for decode steps, exact chains and trees, rows of several sequences in one
+forward, and with the aux layers EAGLE-3 heads read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import chat
+
+from specdec import kernels
+
+pytestmark = pytest.mark.skipif(kernels.forward_lib() is None, reason="no forward kernel (no compiler or no VNNI)")
+
+
+@pytest.fixture
+def model(smollm2_default):
+    m = smollm2_default.model
+    assert m.fast_layers() is not None  # the default model is one it runs
+    yield m
+    m._fast = False  # recomputed on the next forward
+    m.aux_layers = None
+
+
+def both(m, run):
+    """run(model) in C and in Python, on caches prefilled alike -> the two results."""
+    out = []
+    for fast in (True, False):
+        m._fast = False
+        if not fast:
+            m._fast = None  # fast_layers() says no: the Python loop
+        out.append(run(m))
+    return out
+
+
+def prefilled(m, prompt: list[int]):
+    cache = m.new_cache(256)
+    m(torch.tensor([prompt]), torch.arange(len(prompt)), cache)
+    return cache
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_chain_rows_are_bitwise_the_python_path(model, smollm2_default, T):
+    prompt = chat(smollm2_default.tokenizer, "Name three rivers in Europe.")
+
+    def run(m):
+        cache = prefilled(m, prompt)
+        n = len(prompt)
+        return m(torch.tensor([list(range(100, 100 + T))]), torch.arange(n, n + T), cache, exact=True)
+
+    (lf, hf), (ls, hs) = both(model, run)
+    assert torch.equal(lf, ls) and torch.equal(hf, hs)
+
+
+def test_tree_rows_are_bitwise_the_python_path(model, smollm2_default):
+    prompt = chat(smollm2_default.tokenizer, "What is a prime number?")
+    parents = [-1, -1, 0, 0, 2]  # two roots' children and a path of depth 3
+
+    def run(m):
+        cache = prefilled(m, prompt)
+        n = len(prompt)
+        depth = [0, 1, 1, 2, 2, 3]
+        return m(torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.tensor([n + d for d in depth]), cache, parents=parents,
+                 exact=True)
+
+    (lf, hf), (ls, hs) = both(model, run)
+    assert torch.equal(lf, ls) and torch.equal(hf, hs)
+
+
+def test_rows_of_several_sequences_and_aux_layers_are_bitwise_the_python_path(model, smollm2_default):
+    tok = smollm2_default.tokenizer
+    prompts = [chat(tok, "Say hello."), chat(tok, "Count to five, please, slowly and clearly.")]
+    model.aux_layers = (2, 15, 27)  # EAGLE-3's feature layers: the forward keeps their inputs
+
+    def run(m):
+        pool = m.new_pool(2, 256)
+        caches = [pool.acquire(256) for _ in range(2)]
+        for c, p in zip(caches, prompts, strict=True):
+            m(torch.tensor([p]), torch.arange(len(p)), c)
+        items = [(caches[0], [11], [len(prompts[0])], None),
+                 (caches[1], [12, 13, 14], [len(prompts[1]) + i for i in range(3)], None)]
+        return m.forward_batch(items)
+
+    (lf, hf), (ls, hs) = both(model, run)
+    assert hf.shape[-1] == 4 * model.args.dim
+    assert torch.equal(lf, ls) and torch.equal(hf, hs)
