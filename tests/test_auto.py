@@ -208,3 +208,26 @@ def test_a_slow_first_step_does_not_make_drafting_look_free():
     slow.update(1, 0, 0.0045, 0.0)
     slow.update(2, 0, 0.0050, 0.0)
     assert slow.verify_cost(2) == 1.0 and slow.verify_cost(3) == pytest.approx(0.0050 / 0.0045)
+
+
+def test_a_probe_that_shows_a_loss_backs_off_even_with_tokens_accepted():
+    """Heads that have 40% of their first tokens accepted but cost half a forward per token lose: each probe that
+    leaves them losing doubles the wait, accepted token or not (one accepted token used to reset it to 32 steps)."""
+    heads = Fake("mtp", False, [7, 7, 7, 7])
+    auto = AutoProposer({"mtp": heads})
+    drafts = 0
+
+    def drive(steps: int) -> None:
+        nonlocal drafts
+        for _ in range(steps):
+            draft, _ = auto.plan(8)
+            drafts += bool(draft.tokens)
+            hit = bool(draft.tokens) and drafts % 5 < 2  # 40% of first tokens accepted
+            out = [7, -1] if hit else [-1]
+            auto.feedback(len(draft), len(out) - 1, 0.010 + 0.001 * len(draft), 0.005 * len(draft))
+            auto.emitted(out)
+
+    drive(60)
+    before = heads.calls
+    drive(600)
+    assert heads.calls - before <= 6  # gaps 32, 64, 128, 256, 256: not one probe every 32 steps (~19)

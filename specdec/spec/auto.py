@@ -45,8 +45,11 @@ class AutoProposer:
         self.sources = sources
         # a costly source starts pessimistic (it must show it pays: probes find out) so that a model whose heads lose
         # does not pay for them while its policy learns; a costless one learns every step from watching anyway
+        # and a draft step of it is assumed to cost 0.3 of a target forward until measured (EAGLE-3 heads on
+        # SmolLM2: 0.8 ms a token against a 2.7 ms forward, docs/results/forward-fast.json's decode speed), so that
+        # a short generation does not pay for its first drafts on the prior alone
         self.policies = {name: AutoDraftLength(k_max, draft_min) if getattr(src, "costless", False) else
-                         AutoDraftLength(k_max, draft_min, prior_acceptance=0.3, probe_every=32)
+                         AutoDraftLength(k_max, draft_min, prior_acceptance=0.3, probe_every=32, prior_cost=0.3)
                          for name, src in sources.items()}
         shared: dict[int, float] = {}
         for pol in self.policies.values():  # one measured v(T) for all sources: the same target forward
@@ -86,7 +89,7 @@ class AutoProposer:
         best: tuple[float, str | None, int, int | None, Draft | None] = (0.0, None, 0, None, None)
         probe = None
         first = next(iter(self.policies.values()))  # v(T) / v(1) once for every source: they share the curve
-        table = [0.0] + [first.verify_cost(t) for t in range(1, first.draft_max + 2)]
+        table = first.verify_table(first.draft_max + 1)
         vc = table.__getitem__
         for name, src in self.sources.items():
             pol = self.policies[name]
@@ -108,9 +111,7 @@ class AutoProposer:
             s = pol.predicted
             if k > cap:  # the end of the sequence or the context is nearer than the best K
                 k = cap
-                base = pol.forward_s(1)
-                c = pol.draft_s_per_token / base if (pol.draft_s_per_token is not None and base) else 0.0
-                s = speedup(pol.acceptance(cls)[:k], c, vc)
+                s = speedup(pol.acceptance(cls)[:k], pol.draft_cost(), vc)
             if s > best[0]:
                 best = (s, name, k, cls, candidate)
         _, name, k, cls, candidate = best

@@ -51,7 +51,8 @@ class AutoDraftLength:
     """Choose each step's K to maximize expected tokens per second, from measured acceptance and costs."""
 
     def __init__(self, k_max: int = 8, draft_min: int = 0, prior_acceptance: float = 0.5, decay: float = 0.95,
-                 probe_every: int = 16, probe_max: int = 256):
+                 probe_every: int = 16, probe_max: int = 256, prior_cost: float = 0.0):
+        """prior_cost: the drafting cost per token, as a fraction of a one-token forward, assumed until measured."""
         self.draft_max, self.draft_min = k_max, draft_min
         self.decay, self.probe_every, self.prior = decay, probe_every, prior_acceptance
         self.probe_gap, self.probe_max = probe_every, probe_max  # plain steps before the next probe
@@ -62,6 +63,7 @@ class AutoDraftLength:
         self.by_class: dict[int, tuple[list[float], list[float]]] = {}
         self.verify_s: dict[int, float] = {}  # T -> EMA seconds of a target forward over T tokens
         self.draft_s_per_token: float | None = None
+        self.prior_cost = prior_cost
         self.since_draft = 0
         self.predicted = 1.0  # the predicted speedup of the last choice
         self.watching: list[tuple] = []  # (candidate, draft class, tokens matched so far) awaiting emitted tokens
@@ -88,23 +90,35 @@ class AutoDraftLength:
         """Seconds of a target forward over t tokens: measured, else interpolated (costmodel.interpolate)."""
         return interpolate(self.verify_s, t)
 
+    def _base(self) -> float | None:
+        """v(1), or v(2) when that measured less: a forward over more tokens never costs less, so v(1) then holds a
+        slow outlier."""
+        base, two = self.forward_s(1), self.verify_s.get(2)
+        return two if base and two and two < base else base
+
     def verify_cost(self, t: int) -> float:
-        """v(T) / v(1); before any measurement the prior 1 + 0.25 (T - 1) (MACHINE-FACTS: ~1.2-1.6x for T = 2-4 on a
-        2-core CPU)."""
-        base = self.forward_s(1)
+        """v(T) / v(1) (>= 1); before any measurement the prior 1 + 0.25 (T - 1) (MACHINE-FACTS: ~1.2-1.6x for
+        T = 2-4 on a 2-core CPU)."""
+        return self.verify_table(t)[t]
+
+    def verify_table(self, t_max: int) -> list[float]:
+        """[0, v(1)/v(1), ..., v(t_max)/v(1)]: verify_cost for every T at once (auto's sources share it each step;
+        the base looked up once)."""
+        base = self._base()
         if not base:  # nothing measured yet (or a forward timed at 0 s: bench found one)
-            return 1.0 + 0.25 * (t - 1)
-        two = self.verify_s.get(2)
-        if two and two < base:  # a forward over more tokens never costs less: v(1) holds a slow outlier
-            base = two
-        return max(1.0, (self.forward_s(t) or base) / base)
+            return [0.0] + [1.0 + 0.25 * (t - 1) for t in range(1, t_max + 1)]
+        return [0.0] + [max(1.0, (self.forward_s(t) or base) / base) for t in range(1, t_max + 1)]
+
+    def draft_cost(self) -> float:
+        """Drafting cost per token / v(1): measured, else the prior."""
+        base = self.forward_s(1)
+        return self.draft_s_per_token / base if (self.draft_s_per_token is not None and base) else self.prior_cost
 
     def choose(self, draft_class: int | None = None, verify_cost: Callable[[int], float] | None = None) -> int:
         """This step's K; verify_cost: v(T)/v(1) when the caller has it at hand (spec/auto.py tabulates it once per
         step for all its sources). The predicted speedup of the choice is left in self.predicted."""
-        base = self.forward_s(1)
-        c = self.draft_s_per_token / base if (self.draft_s_per_token is not None and base) else 0.0
-        k, self.predicted = best_k(self.acceptance(draft_class), c, verify_cost or self.verify_cost, self.draft_max)
+        k, self.predicted = best_k(self.acceptance(draft_class), self.draft_cost(), verify_cost or self.verify_cost,
+                                   self.draft_max)
         self.probing = k == 0 and self.since_draft >= self.probe_gap and not self.watched
         if self.probing:
             k = 1  # probe now and then, or the estimates could never recover
@@ -123,14 +137,19 @@ class AutoDraftLength:
             self.since_draft += 1
             return
         self.since_draft = 0
-        # backoff: a failed probe doubles the wait; an accepted token or a draft chosen on its merits resets it
-        failed_probe = self.probing and n_accepted == 0
-        self.probe_gap = min(2 * self.probe_gap, self.probe_max) if failed_probe else self.probe_every
         per_token = draft_s / k
         self.draft_s_per_token = per_token if self.draft_s_per_token is None else (
             0.8 * self.draft_s_per_token + 0.2 * per_token)
         if not self.watched:
             self._count(k, n_accepted, draft_class)
+        # backoff: a probe after which drafting still does not pay doubles the wait (one that merely had a token
+        # accepted used to reset it: heads at ~40% acceptance, which lose on chat, were probed every 32 steps at
+        # ~2 ms of catching up each); a draft chosen on its merits, or a probe that shows it pays, resets it
+        if self.probing:
+            pays = best_k(self.acceptance(draft_class), self.draft_cost(), self.verify_cost, self.draft_max)[0] > 0
+            self.probe_gap = self.probe_every if pays else min(2 * self.probe_gap, self.probe_max)
+        else:
+            self.probe_gap = self.probe_every
 
     def watch(self, candidate: list[int], draft_class: int | None = None) -> None:
         """A costless proposer's whole candidate at this step (up to draft_max tokens), drafted or not: it is scored
