@@ -16,7 +16,7 @@ per row, sampled with the exponential race (gpt-fast's multinomial_sample_one_no
 A sequence's own tokens (plain decoding, and coupled verification of point-mass drafts) are drawn by `draw`: one
 row, one uniform per position (Draws.u), inverse CDF over the ranked candidates, in sample.c when it is built (the
 same truncations in C, ~20 us a token for the CLI defaults; the Python path above costs ~120 us, ~300 us right
-after a forward, when its code and data are out of cache: docs/results/sampling-speed.json).
+after a forward, when its code and data are out of cache: docs/results/sampling-speed.txt).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class AutoDraftLength:
         self.watching: list[tuple] = []  # (candidate, draft class, tokens matched so far) awaiting emitted tokens
         self.watched = False  # full-information feedback: counts come from watch() / emitted(), not update()
         # the first step of a generation runs cold (the prefill's data in cache, not the weights): its forward took
-        # 6.2 ms where the next took 3.9 (SmolLM2, docs/results/default-vs-plain.json's runs) and, as one of the
+        # 6.2 ms where the next took 3.9 (SmolLM2, docs/results/default-vs-plain.txt's step log) and, as one of the
         # few T = 1 samples while a source drafts every step, made v(2) / v(1) read 0.8: drafting looked free
         self.cold = True
 
