@@ -1,6 +1,6 @@
 """`python -m specdec.kernels`: build the native kernels now (make setup does) and say where they are."""
 
-from . import attention_lib, matmul_lib, sample_lib
+from . import attention_lib, forward_lib, matmul_lib, sample_lib
 
 lib = attention_lib()
 print(f"attention kernel: {lib._name}" if lib else "attention kernel: not built, PyTorch SDPA will be used")
@@ -9,3 +9,5 @@ print(f"matmul kernel: {lib._name}" if lib else "matmul kernel: not used (no com
       "weight-only kernels will be")
 lib = sample_lib()
 print(f"sampling kernel: {lib._name}" if lib else "sampling kernel: not built, torch.topk and torch ops will be used")
+lib = forward_lib()
+print(f"forward kernel: {lib._name}" if lib else "forward kernel: not built, layers are called one kernel at a time")
