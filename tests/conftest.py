@@ -31,6 +31,7 @@ def _isolated_cache() -> None:
     for so in real.glob("*.so"):
         (tmp / so.name).symlink_to(so)
     os.environ["SPECDEC_CACHE"] = str(tmp)
+    os.environ["SPECDEC_TEST_SESSION_CACHE"] = str(tmp)  # tiny_models.share_default_tokenizer
     import atexit
     import shutil
 

@@ -81,6 +81,7 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import shutil
 import struct
 import tempfile
@@ -801,7 +802,41 @@ def write_gguf(arch: str, path: Path, *, qtype: str = "F32", seed: int = 0, tied
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if tokenizer and arch == "llama":
+        share_default_tokenizer(path)
     return path
+
+
+def share_default_tokenizer(path: Path) -> None:
+    """Give a tiny llama file written with the default model's tokenizer metadata that model's converted tokenizer
+    in the current cache (a link under the file's own key), instead of transformers converting the same 49152-token
+    vocabulary again for every temporary file (~3-4 s each). The conversion itself is tested on the real models
+    (test_tokenizer.py); a file changed after writing has another key and is converted as usual."""
+    from specdec.config import cache_dir
+    from specdec.tokenizer import _file_key, load_tokenizer
+
+    session = Path(os.environ.get("SPECDEC_TEST_SESSION_CACHE", ""))
+    if not session.name:
+        return
+    real = smollm2_gguf_path()
+    src = session / "tokenizers" / _file_key(real)
+    if not (src / "tokenizer.json").exists():
+        current = os.environ.get("SPECDEC_CACHE")
+        os.environ["SPECDEC_CACHE"] = str(session)
+        try:
+            load_tokenizer(real)
+        finally:
+            if current is None:
+                os.environ.pop("SPECDEC_CACHE", None)
+            else:
+                os.environ["SPECDEC_CACHE"] = current
+    dst = cache_dir() / "tokenizers" / _file_key(path)
+    try:
+        if (src / "tokenizer.json").exists() and not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.symlink_to(src.resolve())
+    except OSError:  # an unwritable cache (tests of that): the file's tokenizer is converted as usual
+        pass
 
 
 @contextlib.contextmanager
