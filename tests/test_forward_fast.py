@@ -84,3 +84,21 @@ def test_rows_of_several_sequences_and_aux_layers_are_bitwise_the_python_path(mo
     (lf, hf), (ls, hs) = both(model, run)
     assert hf.shape[-1] == 4 * model.args.dim
     assert torch.equal(lf, ls) and torch.equal(hf, hs)
+
+
+def test_sliding_window_layers_are_bitwise_the_python_path(tmp_path):
+    """A Mistral-style model with an 8-token sliding window (a Hugging Face folder, int4), 20 tokens cached: the
+    sliding layers' spans and tables in forward.c are the Python path's."""
+    from tiny_models import write_hf
+
+    from specdec.loader import load
+
+    m = load(write_hf("mistral", tmp_path / "m", seed=3, sliding_window=8), ctx=64, quant="int4").model
+    assert m.args.sliding_window == 8 and all(layer.sliding for layer in m.layers) and m.fast_layers() is not None
+
+    def run(model):
+        cache = prefilled(model, list(range(3, 23)))
+        return model(torch.tensor([[30, 31, 32, 33]]), torch.arange(20, 24), cache, exact=True)
+
+    (lf, hf), (ls, hs) = both(m, run)
+    assert torch.equal(lf, ls) and torch.equal(hf, hs)
