@@ -364,7 +364,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, u: float, history: Sequen
          n_prompt: int = 0) -> int:
     """One token from p for one row of logits [V] with the uniform u, by inverse CDF over p's ranked candidates:
     the one definition of a sampled token that plain decoding and coupled verification share (Draws). Penalties
-    (history: the row's context) in torch, then sample.c's sampler (specdec_sample: top-k on k + slack values, the
+    (history: the row's context) first, then sample.c's sampler (specdec_sample: top-k on k + slack values, the
     rest on the survivors, no sort of the vocabulary: ~20 us for the CLI defaults on 49152 tokens); without the
     kernel, process() and the same inverse CDF on its Dist."""
     x = logits.float()

@@ -449,12 +449,12 @@ class Transformer:
         fast = self.fast_layers() if plan.kind == "kernel" else None
         if fast is not None:
             x = self._layers_in_c(fast, x, rope, rope_local, cache, plan, feats)
-        for i, layer in enumerate(self.layers if fast is None else ()):
-            if self.aux_layers and i in self.aux_layers:
-                feats[i] = x
-            c = cache.layer(i)
-            x = layer(x, rope_local if layer.sliding else rope, c, start, plan,
-                      a.sliding_window if layer.sliding else None)
+        else:
+            for i, layer in enumerate(self.layers):
+                if self.aux_layers and i in self.aux_layers:
+                    feats[i] = x
+                x = layer(x, rope_local if layer.sliding else rope, cache.layer(i), start, plan,
+                          a.sliding_window if layer.sliding else None)
         if self.aux_layers:
             feats[a.n_layers] = x
         h = rms_norm(x, self.output_norm, a.norm_eps)

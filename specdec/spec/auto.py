@@ -44,8 +44,8 @@ class AutoProposer:
             raise ValueError("--spec auto needs at least one source")
         self.sources = sources
         # a costly source starts pessimistic (it must show it pays: probes find out) so that a model whose heads lose
-        # does not pay for them while its policy learns; a costless one learns every step from watching anyway
-        # and a draft step of it is assumed to cost 0.3 of a target forward until measured (EAGLE-3 heads on
+        # does not pay for them while its policy learns; a costless one learns every step from watching anyway. A
+        # costly source's draft step is assumed to cost 0.3 of a target forward until measured (EAGLE-3 heads on
         # SmolLM2: 0.8 ms a token against a 2.7 ms forward, docs/results/default-vs-plain.txt's step log), so that
         # a short generation does not pay for its first drafts on the prior alone
         self.policies = {name: AutoDraftLength(k_max, draft_min) if getattr(src, "costless", False) else

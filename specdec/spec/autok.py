@@ -96,18 +96,19 @@ class AutoDraftLength:
         base, two = self.forward_s(1), self.verify_s.get(2)
         return two if base and two and two < base else base
 
-    def verify_cost(self, t: int) -> float:
+    def verify_cost(self, t: int, base: float | None = None) -> float:
         """v(T) / v(1) (>= 1); before any measurement the prior 1 + 0.25 (T - 1) (MACHINE-FACTS: ~1.2-1.6x for
-        T = 2-4 on a 2-core CPU)."""
-        return self.verify_table(t)[t]
+        T = 2-4 on a 2-core CPU). base: _base() when the caller has it already."""
+        base = base or self._base()
+        if not base:  # nothing measured yet (or a forward timed at 0 s: bench found one)
+            return 1.0 + 0.25 * (t - 1)
+        return max(1.0, (self.forward_s(t) or base) / base)
 
     def verify_table(self, t_max: int) -> list[float]:
         """[0, v(1)/v(1), ..., v(t_max)/v(1)]: verify_cost for every T at once (auto's sources share it each step;
         the base looked up once)."""
         base = self._base()
-        if not base:  # nothing measured yet (or a forward timed at 0 s: bench found one)
-            return [0.0] + [1.0 + 0.25 * (t - 1) for t in range(1, t_max + 1)]
-        return [0.0] + [max(1.0, (self.forward_s(t) or base) / base) for t in range(1, t_max + 1)]
+        return [0.0] + [self.verify_cost(t, base) for t in range(1, t_max + 1)]
 
     def draft_cost(self) -> float:
         """Drafting cost per token / v(1): measured, else the prior."""
@@ -146,7 +147,8 @@ class AutoDraftLength:
         # accepted used to reset it: heads at ~40% acceptance, which lose on chat, were probed every 32 steps at
         # ~2 ms of catching up each); a draft chosen on its merits, or a probe that shows it pays, resets it
         if self.probing:
-            pays = best_k(self.acceptance(draft_class), self.draft_cost(), self.verify_cost, self.draft_max)[0] > 0
+            table = self.verify_table(self.draft_max + 1)
+            pays = best_k(self.acceptance(draft_class), self.draft_cost(), table.__getitem__, self.draft_max)[0] > 0
             self.probe_gap = self.probe_every if pays else min(2 * self.probe_gap, self.probe_max)
         else:
             self.probe_gap = self.probe_every
