@@ -67,10 +67,11 @@ def test_tree_rows_are_bitwise_the_python_path(model, smollm2_default):
     assert torch.equal(lf, ls) and torch.equal(hf, hs)
 
 
-def test_rows_of_several_sequences_and_aux_layers_are_bitwise_the_python_path(model, smollm2_default):
+@pytest.mark.parametrize("aux", [(2, 15, 27), (15, 2, 2)])  # EAGLE-3's default; unsorted and repeated (tiny models)
+def test_rows_of_several_sequences_and_aux_layers_are_bitwise_the_python_path(model, smollm2_default, aux):
     tok = smollm2_default.tokenizer
     prompts = [chat(tok, "Say hello."), chat(tok, "Count to five, please, slowly and clearly.")]
-    model.aux_layers = (2, 15, 27)  # EAGLE-3's feature layers: the forward keeps their inputs
+    model.aux_layers = aux  # EAGLE-3's feature layers: the forward keeps their inputs
 
     def run(m):
         pool = m.new_pool(2, 256)
@@ -102,3 +103,4 @@ def test_sliding_window_layers_are_bitwise_the_python_path(tmp_path):
 
     (lf, hf), (ls, hs) = both(m, run)
     assert torch.equal(lf, ls) and torch.equal(hf, hs)
+

@@ -189,7 +189,7 @@ def forward_lib() -> ctypes.CDLL | None:
     ptr, i, c_long, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     dll.specdec_layers.restype = i
     dll.specdec_layers.argtypes = [ptr, i, i, ptr, ptr, c_long, i, i, i, i, i, i, f, f, i, ptr, ptr, ptr, ptr, ptr,
-                                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+                                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i, ptr, ptr, ptr, c_long]
     dll.fns = [ctypes.cast(fn, ctypes.c_void_p).value for fn in
                (matmul_lib().specdec_matmul, attention_lib().specdec_rope_store, attention_lib().specdec_attend)]
     return dll

@@ -20,11 +20,12 @@ from dataclasses import replace
 
 import torch
 
+from .. import kernels
 from ..cache import KVCache
 from ..config import ModelArgs, ModelError
 from ..quant import make_linear
 from .mtp import module_plan
-from .transformer import Block, Transformer, cache_shape, rms_norm
+from .transformer import AttentionPlan, Block, Transformer, cache_shape, rms_norm
 
 # our Block's tensor names for the draft layer's, under speculators / vLLM names (the file layout, weights/heads.py)
 LAYER_NAMES = {"attn_norm": "layers.0.input_layernorm.weight", "hidden_norm": "layers.0.hidden_norm.weight",
@@ -78,9 +79,11 @@ class Eagle3Module:
         self.head = head
         self.embed = trunk.embed
         self.rope = trunk.rope
+        self.kernel = trunk.kernel  # the attention kernel, as the trunk's: its cache keeps the keys in tiles
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
-        return KVCache(1, *cache_shape(self.args), max_len or self.max_len, self.dtype, self.device)
+        return KVCache(1, *cache_shape(self.args), max_len or self.max_len, self.dtype, self.device,
+                       transposed_keys=self.kernel)
 
     @property
     def weight_bytes(self) -> int:
@@ -104,10 +107,15 @@ class Eagle3Module:
         u = torch.cat([rms_norm(e, self.block.attn_norm.twice, self.eps), rms_norm(g, self.hidden_norm, self.eps)],
                       dim=-1)
         a = self.args
-        rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
-        plan = module_plan(T, start, exact, self.device)
-        x = self.block.attention(g, rope, cache.layer(0), start, plan, None, qkv_in=u)
-        x = self.block.ffn(x)
+        if cache.kt is not None:  # attention.c: rows computed as decode steps compute them (exact whatever T)
+            b = cache.base + start
+            rope = self.rope.rows(positions)
+            full = kernels.row_spans(Transformer.row_tails(cache, start, T, None), None)
+            plan = AttentionPlan("kernel", full, full, slots=torch.arange(b, b + T))
+        else:
+            rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
+            plan = module_plan(T, start, exact, self.device)
+        x = self.block.ffn(self.block.attention(g, rope, cache.layer(0), start, plan, None, qkv_in=u))
         cache.length = L
         out = x[:, -1:] if last_only else x
         return self.head(rms_norm(out, self.norm, self.eps)).float(), x

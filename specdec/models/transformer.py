@@ -318,6 +318,62 @@ def cache_shape(args: ModelArgs) -> tuple[int, int]:
     return args.n_kv_heads, args.head_dim
 
 
+def layer_records(layers: list[Block], window: int | None) -> torch.Tensor | None:
+    """kernels/forward.c's records of `layers` (int64 [layers, 23]: the four linear layers' codes, scales, zeros,
+    bits and rows, the two norms, sliding or not) when every one is a Llama-family dense layer whose linear layers
+    run in the matmul kernel and the forward kernel is built; else None."""
+    if kernels.forward_lib() is None:
+        return None
+    rows = []
+    for layer in layers:
+        lins = tuple(getattr(layer, name, None) for name in ("wqkv", "wo", "w13", "w2"))
+        if (layer.moe is not None or layer.mla is not None or layer.qk_norm is not None or layer.sandwich
+                or layer.gelu or not all(getattr(lin, "native", False) and lin.bias is None for lin in lins)
+                or lins[2].out_features % 32):
+            return None
+        row = []
+        for lin in lins:
+            row += [lin.weight.data_ptr(), lin.scales.data_ptr(),
+                    lin.zeros.data_ptr() if getattr(lin, "zeros", None) is not None else 0, lin.bits,
+                    lin.out_features]
+        rows.append(row + [layer.attn_norm.weight.data_ptr(), layer.ffn_norm.weight.data_ptr(),
+                           int(layer.sliding and window is not None)])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def run_layers(records: torch.Tensor, layer0: Block, x: torch.Tensor, cache: KVCache, rope, rope_local,
+               plan: AttentionPlan, feats: torch.Tensor | None = None, where: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x [1, T, dim] through the layers of `records` (the cache's layers 0, 1, ...) in one kernels/forward.c call
+    on the "kernel" plan -> [1, T, dim]. feats / where: the inputs of layers where[0] copied into feats' columns
+    where[1] (EAGLE-3's features)."""
+    lib = kernels.forward_lib()
+    T, H, Hkv, D = x.shape[1], layer0.n_heads, layer0.n_kv, layer0.head_dim
+    pool = cache.pool
+    ptrs = getattr(pool, "_layer_ptrs", None)
+    if ptrs is None:
+        ptrs = pool._layer_ptrs = (torch.tensor([c.kv.data_ptr() for c in pool.layers], dtype=torch.int64),
+                                   torch.tensor([c.kt.data_ptr() for c in pool.layers], dtype=torch.int64))
+    x = x.contiguous().clone()  # updated in place
+    qkv = torch.empty(T, (H + 2 * Hkv) * D, dtype=x.dtype)
+    o = torch.empty(T, H * D, dtype=x.dtype)
+    h = torch.empty(T, layer0.ffn_dim, dtype=x.dtype)
+    (spans_f, tails_f), (spans_s, tails_s) = plan.full, plan.sliding
+    (cos, sin), (cos_l, sin_l) = rope, rope_local
+    n_feat = 0 if where is None else where.shape[1]
+    rc = lib.specdec_layers(
+        records.data_ptr(), 0, records.shape[0], ptrs[0].data_ptr(), ptrs[1].data_ptr(), pool.layers[0].kt.shape[1],
+        T, x.shape[-1], H, Hkv, D, layer0.ffn_dim, layer0.eps, layer0.scale, kernels.DTYPES[x.dtype], x.data_ptr(),
+        qkv.data_ptr(), o.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(),
+        sin_l.data_ptr(), plan.slots.data_ptr(), spans_f.data_ptr(), tails_f.data_ptr(), spans_s.data_ptr(),
+        tails_s.data_ptr(), *lib.fns, n_feat, where[0].data_ptr() if n_feat else None,
+        where[1].data_ptr() if n_feat else None, feats.data_ptr() if n_feat else None,
+        feats.shape[1] if n_feat else 0)
+    if rc != 0:
+        raise MemoryError("a kernel ran out of memory") if rc == -1 else ValueError("kernel shapes")
+    return x
+
+
 class Transformer:
     """Token embedding -> blocks -> final norm -> output head (tied to the embedding or not).
 
@@ -445,18 +501,21 @@ class Transformer:
             rope = self.rope.tables(positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
             rope_local = rope if self.rope_local is self.rope else self.rope_local.tables(
                 positions, a.n_heads + a.n_kv_heads, a.n_kv_heads)
-        feats = {}  # layer -> its input, for the aux layers (none in plain decoding)
+        # EAGLE-3's features: the inputs of the aux layers side by side, then the final hidden state (none in plain
+        # decoding); aux layers may repeat (tiny test models clip them), a column each
+        aux = self.aux_layers or ()
+        feats = torch.empty(x.shape[1], (len(aux) + 1) * a.dim, dtype=x.dtype) if aux else None
         fast = self.fast_layers() if plan.kind == "kernel" else None
         if fast is not None:
             x = self._layers_in_c(fast, x, rope, rope_local, cache, plan, feats)
         else:
             for i, layer in enumerate(self.layers):
-                if self.aux_layers and i in self.aux_layers:
-                    feats[i] = x
+                for j in (j for j, k in enumerate(aux) if k == i):
+                    feats[:, j * a.dim:(j + 1) * a.dim] = x[0]
                 x = layer(x, rope_local if layer.sliding else rope, cache.layer(i), start, plan,
                           a.sliding_window if layer.sliding else None)
-        if self.aux_layers:
-            feats[a.n_layers] = x
+        for j in (j for j, k in enumerate(aux) if k == a.n_layers):
+            feats[:, j * a.dim:(j + 1) * a.dim] = x[0]
         h = rms_norm(x, self.output_norm, a.norm_eps)
         logits = self.output(h if last is None else h[:, last]).float()
         if self.args.final_logit_softcap:
@@ -464,73 +523,30 @@ class Transformer:
             logits = torch.tanh(logits / cap) * cap
         # the hidden state MTP modules read: after the final norm, except MiMo's, which reads the residual stream
         # before it (see models/mtp.py); EAGLE-3 heads read the inputs of the aux layers, followed by h
-        if self.aux_layers:
-            return logits, torch.cat([feats[i] for i in self.aux_layers] + [h], dim=-1)
+        if aux:
+            feats[:, -a.dim:] = h[0]
+            return logits, feats[None]
         return logits, (x if a.mtp_layout == "mimo" else h)
 
     def fast_layers(self) -> torch.Tensor | None:
-        """Every layer's record for kernels/forward.c (int64 [layers, 23]: the four linear layers' codes, scales,
-        zeros, bits and rows, the norms, sliding or not), when all layers are Llama-family dense layers whose
-        linear layers run in the matmul kernel and the forward kernel is built; else None (cached)."""
+        """Every layer's record for kernels/forward.c (layer_records()) when the whole stack can run there; else
+        None (cached)."""
         if getattr(self, "_fast", False) is not False:
             return self._fast
-        self._fast = None
         a = self.args
-        lib = kernels.forward_lib() if self.device.type == "cpu" and self.dtype in kernels.DTYPES else None
-        if lib is None or a.attention == "mla" or a.sandwich_norms or a.activation != "silu":
-            return None
-        rows = []
-        for layer in self.layers:
-            lins = (getattr(layer, "wqkv", None), getattr(layer, "wo", None), getattr(layer, "w13", None),
-                    getattr(layer, "w2", None))
-            if layer.moe is not None or layer.mla is not None or layer.qk_norm is not None or not all(
-                    getattr(lin, "native", False) and lin.bias is None for lin in lins) or lins[2].out_features % 32:
-                return None
-            row = []
-            for lin in lins:
-                row += [lin.weight.data_ptr(), lin.scales.data_ptr(),
-                        lin.zeros.data_ptr() if getattr(lin, "zeros", None) is not None else 0, lin.bits,
-                        lin.out_features]
-            row += [layer.attn_norm.weight.data_ptr(), layer.ffn_norm.weight.data_ptr(),
-                    int(layer.sliding and a.sliding_window is not None)]
-            rows.append(row)
-        self._fast = torch.tensor(rows, dtype=torch.int64)
+        ok = self.device.type == "cpu" and self.dtype in kernels.DTYPES and a.attention != "mla"
+        self._fast = layer_records(self.layers, a.sliding_window) if ok else None
         return self._fast
 
     def _layers_in_c(self, records: torch.Tensor, x: torch.Tensor, rope, rope_local, cache: KVCache,
-                     plan: AttentionPlan, feats: dict) -> torch.Tensor:
-        """The layers through kernels/forward.c, in segments between the aux layers whose inputs are kept."""
-        a, lib = self.args, kernels.forward_lib()
-        layer0 = self.layers[0]
-        T, H, Hkv, D = x.shape[1], a.n_heads, a.n_kv_heads, layer0.head_dim
-        pool = cache.pool
-        ptrs = getattr(pool, "_layer_ptrs", None)
-        if ptrs is None:
-            ptrs = pool._layer_ptrs = (torch.tensor([c.kv.data_ptr() for c in pool.layers], dtype=torch.int64),
-                                       torch.tensor([c.kt.data_ptr() for c in pool.layers], dtype=torch.int64))
-        x = x.contiguous().clone()  # updated in place
-        qkv = torch.empty(T, (H + 2 * Hkv) * D, dtype=x.dtype)
-        o = torch.empty(T, H * D, dtype=x.dtype)
-        h = torch.empty(T, layer0.ffn_dim, dtype=x.dtype)
-        (spans_f, tails_f), (spans_s, tails_s) = plan.full, plan.sliding
-        cos, sin = rope
-        cos_l, sin_l = rope_local
-        cuts = sorted(i for i in (self.aux_layers or ()) if i < len(self.layers))
-        begin = 0
-        for end in [*cuts, len(self.layers)]:
-            if end > begin:
-                rc = lib.specdec_layers(
-                    records.data_ptr(), begin, end, ptrs[0].data_ptr(), ptrs[1].data_ptr(),
-                    pool.layers[0].kt.shape[1], T, a.dim, H, Hkv, D, layer0.ffn_dim, layer0.eps, layer0.scale,
-                    kernels.DTYPES[x.dtype], x.data_ptr(), qkv.data_ptr(), o.data_ptr(), h.data_ptr(),
-                    cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), plan.slots.data_ptr(),
-                    spans_f.data_ptr(), tails_f.data_ptr(), spans_s.data_ptr(), tails_s.data_ptr(), *lib.fns)
-                if rc != 0:
-                    raise MemoryError("a kernel ran out of memory") if rc == -1 else ValueError("kernel shapes")
-            if end < len(self.layers):
-                feats[end] = x.clone()
-            begin = end
-        return x
+                     plan: AttentionPlan, feats: torch.Tensor | None) -> torch.Tensor:
+        """The layers through kernels/forward.c, which copies the aux layers' inputs into feats' columns."""
+        aux = self.aux_layers or ()
+        where = getattr(self, "_feat_where", None)
+        if where is None or where[0] != aux:  # (layers, columns) of the features forward.c copies out
+            cols = [j * self.args.dim for j in range(len(aux))]
+            self._feat_where = where = (aux, torch.tensor([list(aux), cols], dtype=torch.int64).reshape(2, -1))
+        return run_layers(records, self.layers[0], x, cache, rope, rope_local, plan, feats, where[1])
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed.rows(tokens).to(self.dtype)
