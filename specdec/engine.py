@@ -319,7 +319,8 @@ class Engine:
             (s.proposer if planned else s.policy).emitted(emitted)
             if s.finish is None and s.proposer is not None:
                 t = time.perf_counter()
-                s.proposer.accept(new[:-1], token, hidden[[0] + [1 + i for i in path]])
+                rows = hidden[:n_acc + 1] if draft.parents is None else hidden[[0] + [1 + i for i in path]]
+                s.proposer.accept(new[:-1], token, rows)
                 s.stats.draft_s += time.perf_counter() - t
             if s.finish is not None:
                 self._retire(s)

@@ -210,6 +210,22 @@ def test_a_slow_first_step_does_not_make_drafting_look_free():
     assert slow.verify_cost(2) == 1.0 and slow.verify_cost(3) == pytest.approx(0.0050 / 0.0045)
 
 
+
+def test_a_slow_outlier_at_one_length_does_not_stop_drafting():
+    """The verify table is non-decreasing from the right: one slow sample of v(2) (7.1 ms between v(1) = 4.6 and
+    v(3) = 5.0, as a noisy host measured) reads as v(3), so a lookup accepted 35% of the time still drafts; taken
+    as measured, v(2) / v(1) = 1.54 would make K = 0 look best."""
+    from specdec.spec.autok import AutoDraftLength
+
+    pol = AutoDraftLength(4, prior_acceptance=0.35)
+    pol.cold = False
+    pol.verify_s.update({1: 0.0046, 2: 0.0071, 3: 0.0050, 4: 0.0054})
+    table = pol.verify_table(5)
+    assert table[2] == table[3] == pytest.approx(0.0050 / 0.0046) and table[1] == 1.0
+    assert all(a <= b for a, b in zip(table[1:], table[2:], strict=False))
+    assert pol.choose() >= 1
+    assert pol.verify_cost(2) == pytest.approx(0.0071 / 0.0046)  # the raw curve: K = 0 would have won
+
 def test_a_probe_that_shows_a_loss_backs_off_even_with_tokens_accepted():
     """Heads that have 40% of their first tokens accepted but cost half a forward per token lose: each probe that
     leaves them losing doubles the wait, accepted token or not (one accepted token used to reset it to 32 steps)."""

@@ -106,9 +106,14 @@ class AutoDraftLength:
 
     def verify_table(self, t_max: int) -> list[float]:
         """[0, v(1)/v(1), ..., v(t_max)/v(1)]: verify_cost for every T at once (auto's sources share it each step;
-        the base looked up once)."""
+        the base looked up once), made non-decreasing from the right: a forward over more tokens never costs less,
+        and the noise of this machine only ever adds time, so a v(T) above a later v(T') is an outlier (one slow
+        sample read v(2) = 7.1 ms next to v(3) = 5.0 ms and kept a lookup from drafting)."""
         base = self._base()
-        return [0.0] + [self.verify_cost(t, base) for t in range(1, t_max + 1)]
+        table = [0.0] + [self.verify_cost(t, base) for t in range(1, t_max + 1)]
+        for t in range(t_max - 1, 0, -1):
+            table[t] = min(table[t], table[t + 1])
+        return table
 
     def draft_cost(self) -> float:
         """Drafting cost per token / v(1): measured, else the prior."""
@@ -118,8 +123,8 @@ class AutoDraftLength:
     def choose(self, draft_class: int | None = None, verify_cost: Callable[[int], float] | None = None) -> int:
         """This step's K; verify_cost: v(T)/v(1) when the caller has it at hand (spec/auto.py tabulates it once per
         step for all its sources). The predicted speedup of the choice is left in self.predicted."""
-        k, self.predicted = best_k(self.acceptance(draft_class), self.draft_cost(), verify_cost or self.verify_cost,
-                                   self.draft_max)
+        vc = verify_cost or self.verify_table(self.draft_max + 1).__getitem__
+        k, self.predicted = best_k(self.acceptance(draft_class), self.draft_cost(), vc, self.draft_max)
         self.probing = k == 0 and self.since_draft >= self.probe_gap and not self.watched
         if self.probing:
             k = 1  # probe now and then, or the estimates could never recover

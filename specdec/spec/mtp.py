@@ -107,6 +107,7 @@ class SequentialMTP(_MTPBase):
         widths = [getattr(m0, "in_dim", dim)] + [dim] * len(modules)  # EAGLE-3 reads the trunk's aux features
         self.H = [lazy_zeros((m0.max_len + 1, w), m0.dtype, m0.device) for w in widths]
         self.n = [0] * (len(modules) + 1)  # positions available in H[d] (and in module d's cache, for d >= 1)
+        self.pending: list[torch.Tensor] = []  # trunk hidden rows accepted since the modules last ran
         self.first: torch.Tensor | None = None  # module 1's logits at the last position: the first draft token
 
     def begin(self, context: list[int], hidden: torch.Tensor | None = None) -> None:
@@ -114,18 +115,27 @@ class SequentialMTP(_MTPBase):
         for c in self.caches:
             c.rollback(0)
         self.n = [0] * len(self.n)
+        self.pending = []
         self._add_hidden(hidden)
 
     def _add_hidden(self, hidden: torch.Tensor) -> None:
-        n = self.n[0]
         # the trunk's hidden output ends with its final hidden state; EAGLE-3's aux features come before it when
-        # such heads are loaded on the model, and only EAGLE-3 modules read them
-        hidden = hidden[:, -self.H[0].shape[1]:]
-        self.H[0][n:n + hidden.shape[0]] = hidden.to(self.H[0].dtype)
-        self.n[0] = n + hidden.shape[0]
+        # such heads are loaded on the model, and only EAGLE-3 modules read them. Kept as given until the modules
+        # next run (_flush): a step that drafts nothing copies nothing
+        self.pending.append(hidden[:, -self.H[0].shape[1]:])
+
+    def _flush(self) -> None:
+        """Write the hidden states accepted since the modules last ran into H[0]."""
+        if self.pending:
+            rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+            n = self.n[0]
+            self.H[0][n:n + rows.shape[0]] = rows.to(self.H[0].dtype)
+            self.n[0] = n + rows.shape[0]
+            self.pending = []
 
     def _advance(self) -> None:
         """Run every module over the positions whose inputs are now all real (accepted tokens, target hidden)."""
+        self._flush()
         C = len(self.ctx)
         for d, mod in enumerate(self.modules, start=1):
             lo, hi = self.n[d], min(self.n[d - 1], C - d)
