@@ -157,3 +157,55 @@ def test_other_heads_still_read_the_final_hidden_state(target, tmp_path):
         assert {k: drafts(k) for k in ("parallel", "sequential")} == want
     finally:
         target.model.aux_layers = ()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v2"])
+def test_train_eagle3_on_moe_and_mla_trunks(tmp_path, arch):
+    """train-mtp makes EAGLE-3 heads for mixture-of-experts trunks (Qwen3-MoE, GLM-4.5: GQA, partial rotary) and
+    MLA trunks (DeepSeek-V2: the draft layer has dim / n_heads per head and its own full RoPE); drafting with them
+    is exact (greedy --spec mtp = plain greedy) and drafts."""
+    from tiny_moe import write_moe_hf
+
+    folder, _, _ = write_moe_hf(arch, tmp_path / arch, seed=7, tokenizer=True)
+    t = load(folder, dtype="bf16", quant="int8", ctx=256)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Say something about {w}."}) for w in ("cats", "rain")))
+    cfg = TrainConfig(kind="eagle3", depth=2, samples=2, max_new=12, epochs=1, vocab=0, ffn_dim=32,
+                      prompts=str(prompts))
+    summary = train_mtp(t, tmp_path / "h.safetensors", cfg)
+    assert summary["sequences"] == 4
+    kind, (mod,), vmap = load_heads(tmp_path / "h.safetensors", t)
+    assert kind == "eagle3" and vmap is None and mod.args.attention == "gqa" and mod.args.n_experts == 0
+    if arch == "deepseek_v2":
+        assert mod.args.head_dim * mod.args.n_heads == t.model.args.dim
+        from specdec.weights.export import export_heads  # speculators' config describes this layer, not the trunk's
+
+        out = export_heads(tmp_path / "h.safetensors", t, "speculators", tmp_path / "s")
+        layer = json.loads((out / "config.json").read_text())["transformer_layer_config"]
+        assert layer["head_dim"] == mod.args.head_dim and layer["num_key_value_heads"] == mod.args.n_heads
+    prompt = chat(t.tokenizer, "Repeat: the quick brown fox.")
+    try:
+        plain = generate(t.model, t.tokenizer, prompt, GREEDY, max_tokens=16, ignore_eos=True).tokens
+        spec = SpecConfig(kind="mtp", heads=str(tmp_path / "h.safetensors"))
+        r = generate(t.model, t.tokenizer, prompt, GREEDY, max_tokens=16, ignore_eos=True,
+                     proposer=build_proposer(spec, t, GREEDY), draft_length=FixedDraftLength(3))
+    finally:
+        t.model.aux_layers = ()
+    assert r.tokens == plain and r.stats.drafted > 0
+
+
+def test_the_teacher_of_an_untied_model_is_its_output_head(tmp_path):
+    """Training's teacher softmax(h W^T) uses the output matrix of an untied model (it used the embedding table,
+    which is another matrix there)."""
+    from tiny_moe import write_moe_hf
+
+    from specdec.train.mtp import output_rows
+
+    folder, cfg, _ = write_moe_hf("qwen3_moe", tmp_path / "m", seed=3, tokenizer=True)
+    assert cfg["tie_word_embeddings"] is False
+    t = load(folder, dtype="f32", quant="none", ctx=64)
+    ids = torch.randint(0, t.model.args.vocab_size, (1, 9))
+    logits, h = t.model(ids, torch.arange(9), t.model.new_cache())
+    torch.testing.assert_close(h[0] @ output_rows(t).T, logits[0], atol=1e-4, rtol=1e-4)
+    E = t.model.embed.rows(torch.arange(t.model.args.vocab_size))
+    assert not torch.allclose(h[0] @ E.T, logits[0], atol=1e-2)

@@ -22,10 +22,10 @@ import torch
 
 from .. import kernels
 from ..cache import KVCache
-from ..config import ModelArgs, ModelError
+from ..config import ModelArgs
 from ..quant import make_linear
 from .mtp import module_plan
-from .transformer import AttentionPlan, Block, Transformer, cache_shape, rms_norm
+from .transformer import AttentionPlan, Block, Transformer, cache_shape, make_rope, rms_norm
 
 # our Block's tensor names for the draft layer's, under speculators / vLLM names (the file layout, weights/heads.py)
 LAYER_NAMES = {"attn_norm": "layers.0.input_layernorm.weight", "hidden_norm": "layers.0.hidden_norm.weight",
@@ -43,14 +43,18 @@ def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
 
 
 def draft_args(a: ModelArgs) -> ModelArgs:
-    """The draft layer's shape: a plain Llama decoder layer with the trunk's width, heads and RoPE base (what
-    speculators' and vLLM's EAGLE-3 layers are), whatever the trunk's own layers add (Gemma's sandwich norms, GeGLU,
-    q/k norms, sliding windows; q/k/v biases)."""
-    if a.family not in ("llama", "gemma3"):
-        raise ModelError(f"EAGLE-3 heads are supported on Llama-family and Gemma 3 trunks, not {a.arch}")
+    """The draft layer's shape: a plain Llama decoder layer (dense SwiGLU FFN of the trunk's dense ffn_dim, full
+    RoPE) with the trunk's width, heads and RoPE base (what speculators' and vLLM's EAGLE-3 layers are), whatever the
+    trunk's own layers add (Gemma's sandwich norms, GeGLU, q/k norms, sliding windows; q/k/v biases; experts; GLM's
+    partial rotary). On an MLA trunk (DeepSeek-V2 / V3), whose heads have no single head_dim, the layer is multi-head
+    attention with dim / n_heads per head."""
+    mla = a.attention == "mla"
+    head_dim = a.dim // a.n_heads if mla else a.head_dim
     return replace(a, arch="llama", qkv_bias=False, qk_norm=False, activation="silu", sandwich_norms=False,
                    sliding_window=None, sliding_layers=[False] * a.n_layers, rope_local_theta=None,
-                   query_scale=a.head_dim ** -0.5, final_logit_softcap=None)
+                   head_dim=head_dim, n_kv_heads=a.n_heads if mla else a.n_kv_heads, query_scale=head_dim ** -0.5,
+                   final_logit_softcap=None, rotary_dim=None, rope_attention_factor=1.0, n_experts=0,
+                   moe_layers=[False] * a.n_layers, attention="gqa", n_mtp_layers=0, mtp_layout=None)
 
 
 class Eagle3Module:
@@ -78,7 +82,7 @@ class Eagle3Module:
         self.fc = make_linear(src["e3.fc"].to(self.device), None, dtype, quant, 16.0)
         self.head = head
         self.embed = trunk.embed
-        self.rope = trunk.rope
+        self.rope = make_rope(a, self.max_len, trunk.rope.cos.dtype, self.device)  # the layer's own: full rotary
         self.kernel = trunk.kernel  # the attention kernel, as the trunk's: its cache keeps the keys in tiles
 
     def new_cache(self, max_len: int | None = None) -> KVCache:

@@ -46,16 +46,24 @@ class TrainEagle3(nn.Module):
         self.wq, self.wk, self.wv = p(H * D, 2 * dim), p(Hkv * D, 2 * dim), p(Hkv * D, 2 * dim)
         self.wo = p(dim, H * D)
         self.w_gate, self.w_up, self.w_down = p(ffn_dim, dim), p(ffn_dim, dim), p(dim, ffn_dim)
-        if init:  # the trunk's last layer: its q/k/v on the hidden half, its FFN cut to ffn_dim
+        if init:  # the trunk's last layer: its q/k/v on the hidden half, its FFN cut to ffn_dim, as far as it is
+            # one of these (an MLA layer has no q/k/v of these shapes, a MoE layer no dense FFN: those start random)
+            def fits(name: str, shape: tuple[int, ...]) -> bool:  # at least this shape (the FFN is cut)
+                return name in init and all(a <= b for a, b in zip(shape, init[name].shape, strict=True))
+
             with torch.no_grad():
-                for ours, src in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v")):
-                    getattr(self, ours)[:, dim:].copy_(init[src])
-                self.wo.copy_(init["attn_output"])
+                attn = (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"))
+                if all(src in init and init[src].shape == getattr(self, ours)[:, dim:].shape for ours, src in attn) \
+                        and init.get("attn_output", torch.empty(0)).shape == self.wo.shape:
+                    for ours, src in attn:
+                        getattr(self, ours)[:, dim:].copy_(init[src])
+                    self.wo.copy_(init["attn_output"])
                 self.hidden_norm.copy_(init["attn_norm"])
                 self.attn_out_norm.copy_(init["ffn_norm"])
-                self.w_gate.copy_(init["ffn_gate"][:ffn_dim])
-                self.w_up.copy_(init["ffn_up"][:ffn_dim])
-                self.w_down.copy_(init["ffn_down"][:, :ffn_dim])
+                if fits("ffn_gate", (ffn_dim, dim)) and fits("ffn_down", (dim, ffn_dim)):
+                    self.w_gate.copy_(init["ffn_gate"][:ffn_dim])
+                    self.w_up.copy_(init["ffn_up"][:ffn_dim])
+                    self.w_down.copy_(init["ffn_down"][:, :ffn_dim])
                 if "output_norm" in init:  # the head's logits start at the trunk's scale
                     self.norm.copy_(init["output_norm"])
 

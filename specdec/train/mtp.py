@@ -285,15 +285,19 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None = None) -> dict:
     """Run every stage and write the heads file to `out`; returns the training summary."""
-    from ..models.transformer import Rope, rope_inv_freq
+    from ..models.transformer import Rope, make_rope, rope_inv_freq
     from ..weights.heads import base_fingerprint, save_heads
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     args = target.model.args
-    if args.family != "llama" and not (cfg.kind == "eagle3" and args.family == "gemma3"):
-        raise ValueError(f"train-mtp supports Llama-family trunks (llama, qwen2, qwen3; eagle3 also Gemma 3), not "
-                         f"{args.arch}")
+    # an EAGLE-3 layer is a plain Llama layer whatever the trunk (models/eagle3.draft_args); parallel heads read only
+    # the final hidden state; a sequential module is a trunk layer, which is trained here for dense GQA trunks only
+    if cfg.kind == "sequential" and args.family != "llama":
+        raise ValueError(f"train-mtp --kind sequential supports Llama-family trunks (llama, qwen2, qwen3), not "
+                         f"{args.arch}: use --kind eagle3")
+    if cfg.kind == "parallel" and args.family == "gemma3":
+        raise ValueError("train-mtp --kind parallel does not support Gemma 3 trunks: use --kind eagle3")
     if not args.tie_embeddings and cfg.vocab:
         raise ValueError("a reduced draft vocabulary needs tied embeddings: use --vocab 0 for this model")
     out = Path(out)
@@ -321,10 +325,11 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
     aux = default_aux_layers(args.n_layers) if cfg.kind == "eagle3" else ()
     hs = hidden_states(target, seqs, work, aux)
     ids = draft_vocab(seqs, cfg.vocab, args.vocab_size, set(target.tokenizer.eog_ids))
-    E = target.model.embed.rows(torch.arange(args.vocab_size))  # [V, dim] the (tied) output head / embedding table
-    head = E[ids]  # [V_draft, dim]
-    rope = Rope(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), max(len(s) for s in seqs) + 1,
-                torch.float32, "cpu")
+    E = target.model.embed.rows(torch.arange(args.vocab_size))  # [V, dim] the embedding table
+    head = (E if args.tie_embeddings else output_rows(target))[ids]  # [V_draft, dim] the target's head: the teacher
+    span = max(len(s) for s in seqs) + 1
+    rope = (make_rope(draft_args(args), span, torch.float32, "cpu") if cfg.kind == "eagle3" else
+            Rope(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), span, torch.float32, "cpu"))
     if cfg.kind == "sequential":
         init = _trunk_last_layer(target)
         ffn = cfg.ffn_dim or args.ffn_dim
@@ -411,6 +416,16 @@ def _trunk_last_layer(target) -> dict[str, torch.Tensor]:
     out = {n[len(prefix):]: lm.weights[n].float() for n in lm.weights if n.startswith(prefix)}
     out["output_norm"] = target.model.output_norm[0].float()  # as the model applies it (Gemma's 1 + w folded in)
     return out
+
+
+def output_rows(target) -> torch.Tensor:
+    """The output head's rows [V, dim] in float (of an untied model: its own matrix, read again from the file), so
+    that the teacher of training is the target's own next-token distribution softmax(h W^T)."""
+    from ..weights import read_model
+
+    if target.model.args.tie_embeddings:
+        return target.model.embed.rows(torch.arange(target.model.args.vocab_size))
+    return read_model(target.path).weights["output"].float()
 
 
 def _sequence_loss(net, cfg: TrainConfig, s: list[int], h: torch.Tensor, E: torch.Tensor, head: torch.Tensor,

@@ -108,7 +108,9 @@ def export_heads(path: str | Path, target, fmt: str, out: str | Path, verifier: 
         if reduced:
             tensors["d2t"] = ids - torch.arange(len(ids))
             tensors["t2d"] = torch.zeros(a.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
-        layer = _llama_config(a, header["ffn_dim"], 1)
+        from ..models.eagle3 import draft_args
+
+        layer = _llama_config(draft_args(a), header["ffn_dim"], 1)  # the draft layer's own shape (MLA / MoE trunks)
         if fmt == "speculators":
             config = {
                 "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
