@@ -134,12 +134,13 @@ class Fake:
         return Draft(self.tokens[:k])
 
     def accept(self, accepted, next_token, hidden=None):
-        pass
+        self.fed = getattr(self, "fed", []) + accepted + [next_token]
 
 
-def run(proposer: AutoProposer, steps: int, truth) -> list[int]:
+def run(proposer: AutoProposer, steps: int, truth, emitted: list[int] | None = None) -> list[int]:
     """Drive the chooser as the engine does: truth(draft) -> the tokens the target emits this step (the accepted
-    prefix of the draft, then its own next token); a forward over T tokens costs 10 ms + 1 ms per extra token."""
+    prefix of the draft, then its own next token); a forward over T tokens costs 10 ms + 1 ms per extra token.
+    emitted: collects the emitted tokens."""
     lengths = []
     for _ in range(steps):
         draft, _ = proposer.plan(8)
@@ -147,6 +148,9 @@ def run(proposer: AutoProposer, steps: int, truth) -> list[int]:
         n = len(out) - 1
         proposer.feedback(len(draft), n, 0.010 + 0.001 * len(draft), 0.0)
         proposer.emitted(out)
+        proposer.accept(out[:-1], out[-1])
+        if emitted is not None:
+            emitted += out
         lengths.append(len(draft))
     return lengths
 
@@ -247,3 +251,33 @@ def test_a_probe_that_shows_a_loss_backs_off_even_with_tokens_accepted():
     before = heads.calls
     drive(600)
     assert heads.calls - before <= 6  # gaps 32, 64, 128, 256, 256: not one probe every 32 steps (~19)
+
+
+
+def test_sources_rest_while_nothing_pays_and_catch_up_on_the_text():
+    """After QUIET_AFTER steps without a draft the lookups are consulted one step in CONSULT_EVERY; when consulted
+    they have been given every token in between (in one batch); a source that starts paying drafts again, and is
+    then consulted every step."""
+    from specdec.spec.auto import CONSULT_EVERY, QUIET_AFTER
+
+    src = Fake("suffix", True, [1, 2, 3, 4, 5, 6, 7, 8])
+    auto = AutoProposer({"suffix": src})
+    out: list[int] = []
+    counter = iter(range(100, 10**6))
+    run(auto, 120, lambda d: [next(counter)], out)  # never right: plain decoding wins
+    before = src.calls
+    run(auto, 200, lambda d: [next(counter)], out)
+    assert 200 // CONSULT_EVERY - 2 <= src.calls - before <= 200 // CONSULT_EVERY + 2
+    assert src.fed + auto.backlog == out  # every token reached the source or waits for its next consultation
+    calls = src.calls
+    while src.calls == calls:  # up to the next consulted step
+        run(auto, 1, lambda d: [next(counter)], out)
+    assert src.fed == out  # in one batch, in order
+    assert QUIET_AFTER > CONSULT_EVERY
+    # now every first token is right: learned from the consulted steps only (a class-less source: its one pooled
+    # estimate was driven to ~0), it drafts again within a few dozen steps
+    lengths = run(auto, 60, lambda d: [1, 2, 3, 4, 5, 6, 7, 8, 9][:len(d) + 1])
+    assert any(lengths[:50])
+    calls = src.calls
+    run(auto, 10, lambda d: [1, 2, 3, 4, 5, 6, 7, 8, 9][:len(d) + 1])
+    assert src.calls - calls == 10 and auto.quiet == 0  # consulted every step while it pays

@@ -12,6 +12,12 @@ A costless source is asked for its whole candidate every step and scored against
 draft model) is not run while it loses: its state catches up lazily when it is next chosen, and it is probed now and
 then (with exponential backoff) so that its estimates can recover. Verification never asks which source drafted.
 
+While nothing pays (QUIET_AFTER steps in a row without a draft), the sources are consulted only every
+CONSULT_EVERY-th step; the lookups are handed the tokens of the steps in between in one batch when next consulted
+(extending a suffix automaton by many tokens at once is the same automaton), so a losing step costs the loop little:
+the bookkeeping of every source every step was ~80 us of a ~3.3 ms SmolLM2 step on chat, where nothing pays
+(docs/results/default-vs-plain.txt).
+
 What one generation learned (acceptance per source and class, drafting costs per token) is where the next
 generation of the same model in this process starts (`learned`: the server's requests, a benchmark's runs, a
 batch file), instead of the priors: a fresh policy drafts on a prior acceptance of 0.5 until evidence says
@@ -29,6 +35,7 @@ from .costmodel import speedup
 
 # model -> {source names -> the policies of the latest generation that began}; weak: a freed model takes its state
 _LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+QUIET_AFTER, CONSULT_EVERY = 16, 4  # steps in a row with no draft before the sources rest; then consulted 1 step in 4
 
 
 class AutoProposer:
@@ -57,6 +64,9 @@ class AutoProposer:
         self.chosen: tuple[str, int | None] | None = None
         self.learned, self.regime = learned, regime
         self._table: list | None = None  # [measured T count, steps since tabulated, v(T) / v(1) table]
+        self.quiet = 0  # steps in a row on which nothing was drafted
+        self.resting = False  # this step the sources were not consulted
+        self.backlog: list[int] = []  # tokens the costless sources have not been given yet (resting steps)
 
     def _inherit(self) -> None:
         """Start from the policies of the latest generation of the same model and sources (a deep copy: the shared
@@ -79,12 +89,24 @@ class AutoProposer:
 
     def begin(self, context: list[int], hidden=None) -> None:
         self._inherit()
+        self.quiet, self.resting, self.backlog = 0, False, []
         for src in self.sources.values():
             src.begin(context, hidden)
 
     def accept(self, accepted: list[int], next_token: int, hidden=None) -> None:
+        if self.resting:  # the lookups get these tokens when they are next consulted
+            self.backlog += accepted + [next_token]
         for src in self.sources.values():  # every source follows the text; the costly ones only bookkeep here
-            src.accept(accepted, next_token, hidden)
+            if not (self.resting and getattr(src, "costless", False)):
+                src.accept(accepted, next_token, hidden)
+
+    def _catch_up(self) -> None:
+        """Hand the costless sources the tokens of the steps they rested through."""
+        if self.backlog:
+            for src in self.sources.values():
+                if getattr(src, "costless", False):
+                    src.accept(self.backlog[:-1], self.backlog[-1])
+            self.backlog = []
 
     def _verify_table(self) -> list[float]:
         """v(T) / v(1) for every T, shared by the sources (one curve: the same target forward). Tabulated again when
@@ -99,6 +121,12 @@ class AutoProposer:
 
     def plan(self, cap: int) -> tuple[Draft, str | None]:
         """This step's draft (at most `cap` tokens) and the name of the source that made it (None: no draft)."""
+        self.resting = self.quiet >= QUIET_AFTER and self.quiet % CONSULT_EVERY != 0
+        if self.resting:
+            self.quiet += 1
+            self.chosen = None
+            return Draft(), None
+        self._catch_up()
         best: tuple[float, str | None, int, int | None, Draft | None] = (0.0, None, 0, None, None)
         probe = None
         vc = self._verify_table().__getitem__
@@ -129,8 +157,10 @@ class AutoProposer:
         if name is None and probe is not None:  # nothing pays: let a source that has been idle show itself
             name, k, cls, candidate = probe
         if name is None:
+            self.quiet += 1
             self.chosen = None
             return Draft(), None
+        self.quiet = 0
         self.chosen = (name, cls)
         if candidate is not None:
             return Draft(candidate.tokens[:k]), name
@@ -149,4 +179,5 @@ class AutoProposer:
 
     def emitted(self, tokens: list[int]) -> None:
         for pol in self.policies.values():
-            pol.emitted(tokens)
+            if pol.watching:  # candidates of earlier steps still being scored
+                pol.emitted(tokens)
