@@ -111,7 +111,7 @@ class AutoProposer:
     def _verify_table(self) -> list[float]:
         """v(T) / v(1) for every T, shared by the sources (one curve: the same target forward). Tabulated again when
         a T is measured for the first time and every 8th step: the EMA moves little in between, and tabulating took
-        ~20 us of a ~3.3 ms SmolLM2 step (docs/results/eagle3-step.txt's per-step table)."""
+        ~20 us of a ~3.3 ms SmolLM2 step (docs/results/default-vs-plain.txt)."""
         first = next(iter(self.policies.values()))
         key = len(first.verify_s)
         if self._table is None or key != self._table[0] or self._table[1] >= 8:
