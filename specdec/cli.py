@@ -257,10 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def load_model(args, which: str = "model"):
+def load_model(args, which: str = "model", target=None):
     from .loader import load_args
 
-    return load_args(args, which)
+    return load_args(args, which, target)
 
 
 def spec_config(args, target=None):
@@ -349,7 +349,7 @@ def cmd_generate(args) -> int:
     target = load_model(args)
     spec, mtp = spec_config(args, target)
     kind = spec.kind
-    draft = load_model(args, "model_draft") if kind == "draft" else None
+    draft = load_model(args, "model_draft", target) if kind == "draft" else None
     from .spec import build_proposer
 
     if args.file and args.file.endswith(".jsonl"):
@@ -416,7 +416,7 @@ def cmd_serve(args) -> int:
     def load():
         target = load_model(args)
         spec, mtp = spec_config(args, target)
-        draft = load_model(args, "model_draft") if args.model_draft else None
+        draft = load_model(args, "model_draft", target) if args.model_draft else None
         return spec, target, draft, mtp
 
     return serve(load, host=args.host, port=args.port, parallel=args.parallel, max_queue=args.max_queue,

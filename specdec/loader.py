@@ -275,8 +275,14 @@ def progress_bar(desc: str, unit: str = "layer"):
     return update, close
 
 
-def load_args(args, which: str = "model") -> Loaded:
-    """load() from the command line's common flags (-m / -md, --dtype, --quant, --device, -c), with a progress bar."""
+def load_args(args, which: str = "model", target: Loaded | None = None) -> Loaded:
+    """load() from the command line's common flags (-m / -md, --dtype, --quant, --device, -c), with a progress bar.
+    target: the model a draft (-md) is for: the draft's vocabulary is checked against it from its tokenizer alone,
+    before its weights are read (a mismatched draft used to be refused only after its whole load)."""
+    if target is not None:
+        from .spec.draft_model import check_vocab
+
+        check_vocab(target.tokenizer, load_tokenizer(resolve_model_path(getattr(args, which))))
     update, close = progress_bar(f"loading {which.replace('_', ' ')}")
     try:
         return load(getattr(args, which), dtype=args.dtype, quant=args.quant, device=args.device,

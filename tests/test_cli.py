@@ -95,3 +95,17 @@ def test_bad_flags_in_process(capsys, argv, words):
     assert err.startswith("error: ") and len(err.splitlines()) == 1
     for w in words:
         assert w in err
+
+
+def test_a_draft_of_another_vocabulary_is_refused_before_its_weights_load(monkeypatch, capsys, gemma_path):
+    """-md with Gemma's vocabulary for the SmolLM2 target: one line, from the draft's tokenizer alone (loading its
+    weights first took ~20 s of conversion before the same refusal)."""
+    import specdec.loader as loader
+
+    loaded = []
+    real = loader.load
+    monkeypatch.setattr(loader, "load", lambda model, **kw: loaded.append(model) or real(model, **kw))
+    assert main(["generate", "-md", str(gemma_path), "-p", "hi", "-n", "4"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "differ" in err[-1]
+    assert loaded == [None]  # the target only

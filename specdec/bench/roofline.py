@@ -571,7 +571,7 @@ def cmd_roofline(args) -> int:
 
     alphas = parse_alphas(args.alpha)
     target = load_model(args)
-    draft = load_model(args, "model_draft") if args.model_draft else None
+    draft = load_model(args, "model_draft", target) if args.model_draft else None
     report = run_roofline(target, draft, args.context, alphas, args.quick)
     print_report(report)
     if args.json:

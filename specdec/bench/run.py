@@ -117,7 +117,7 @@ def cmd_bench(args) -> int:
     modes = build_modes(modes_wanted, target, args)
     from .peers import build_peers
 
-    draft = load_model(args, "model_draft") if args.model_draft and args.peer else None
+    draft = load_model(args, "model_draft", target) if args.model_draft and args.peer else None
     peers = build_peers(args.peer, target, draft, args.draft_max)
     peaks = machine_peaks(target.model)
     report = run_bench(target, modes, peers, prompts, args.n_predict, args.repeats, chat=not args.no_chat,
@@ -159,7 +159,7 @@ def build_modes(names: list[str], target, args) -> list[Mode]:
         if name == "draft":
             if not args.model_draft:
                 raise ValueError("mode draft needs a draft model: give -md DRAFT")
-            draft = draft or load_model(args, "model_draft")
+            draft = draft or load_model(args, "model_draft", target)
             build_proposer(SpecConfig(kind="draft"), target, GREEDY, draft)  # refuses a mismatched vocabulary now
             models, draft_bytes = "target + draft", draft.model.weight_bytes
         elif name in MTP_MODES:
@@ -173,7 +173,7 @@ def build_modes(names: list[str], target, args) -> list[Mode]:
         elif name == "auto":  # the default: suffix lookup + the model's MTP heads (+ a draft model when given)
             mtp = resolve_mtp(target, args.heads) or ()
             if args.model_draft:
-                draft = draft or load_model(args, "model_draft")
+                draft = draft or load_model(args, "model_draft", target)
             models = "target" + (f" + {mtp[0]} heads" if mtp else "") + (" + draft" if draft else "")
         elif name not in ("ngram", "suffix"):
             raise ValueError(f"unknown mode '{name}': use plain, auto, ngram, suffix, draft, {', '.join(MTP_MODES)}")
