@@ -130,8 +130,9 @@ def _build(lm_args, weights, torch_dtype, q, ctx, dev, progress) -> tuple[Transf
 
 
 def load(model: str | Path | None = None, *, dtype: str = "auto", quant: str = "auto", device: str = "auto",
-         ctx: int | None = None, progress=None, cache: bool | None = None) -> Loaded:
-    """Load a model (GGUF file, HF folder, or an alias) with its tokenizer.
+         ctx: int | None = None, progress=None, cache: bool | None = None, tokenizer: Tokenizer | None = None
+         ) -> Loaded:
+    """Load a model (GGUF file, HF folder, or an alias) with its tokenizer (`tokenizer`: already read from it).
 
     On CPU the converted weights are kept in the layout cache (weights/layout.py): the first load converts and
     writes them, later loads map them. cache=False (or SPECDEC_LAYOUT_CACHE=0) converts in memory every time."""
@@ -170,7 +171,7 @@ def load(model: str | Path | None = None, *, dtype: str = "auto", quant: str = "
         layout.note(f"-c {ctx} is more than the {net.args.max_seq_len} tokens this model was trained on: "
                     "output past that may degrade")
     t = time.perf_counter()
-    tok = load_tokenizer(path)
+    tok = tokenizer or load_tokenizer(path)
     split["tokenizer"] = time.perf_counter() - t
     return Loaded(net, tok, path, file_type, time.perf_counter() - t0, source_bytes, mtp or None, kind, split)
 
@@ -279,13 +280,15 @@ def load_args(args, which: str = "model", target: Loaded | None = None) -> Loade
     """load() from the command line's common flags (-m / -md, --dtype, --quant, --device, -c), with a progress bar.
     target: the model a draft (-md) is for: the draft's vocabulary is checked against it from its tokenizer alone,
     before its weights are read (a mismatched draft used to be refused only after its whole load)."""
+    tok = None
     if target is not None:
         from .spec.draft_model import check_vocab
 
-        check_vocab(target.tokenizer, load_tokenizer(resolve_model_path(getattr(args, which))))
+        tok = load_tokenizer(resolve_model_path(getattr(args, which)))
+        check_vocab(target.tokenizer, tok)
     update, close = progress_bar(f"loading {which.replace('_', ' ')}")
     try:
         return load(getattr(args, which), dtype=args.dtype, quant=args.quant, device=args.device,
-                    ctx=args.ctx_size, progress=update)
+                    ctx=args.ctx_size, progress=update, tokenizer=tok)
     finally:
         close()

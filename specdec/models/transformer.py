@@ -341,39 +341,6 @@ def layer_records(layers: list[Block], window: int | None) -> torch.Tensor | Non
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def run_layers(records: torch.Tensor, layer0: Block, x: torch.Tensor, cache: KVCache, rope, rope_local,
-               plan: AttentionPlan, feats: torch.Tensor | None = None, where: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """x [1, T, dim] through the layers of `records` (the cache's layers 0, 1, ...) in one kernels/forward.c call
-    on the "kernel" plan -> [1, T, dim]. feats / where: the inputs of layers where[0] copied into feats' columns
-    where[1] (EAGLE-3's features)."""
-    lib = kernels.forward_lib()
-    T, H, Hkv, D = x.shape[1], layer0.n_heads, layer0.n_kv, layer0.head_dim
-    pool = cache.pool
-    ptrs = getattr(pool, "_layer_ptrs", None)
-    if ptrs is None:
-        ptrs = pool._layer_ptrs = (torch.tensor([c.kv.data_ptr() for c in pool.layers], dtype=torch.int64),
-                                   torch.tensor([c.kt.data_ptr() for c in pool.layers], dtype=torch.int64))
-    x = x.contiguous().clone()  # updated in place
-    qkv = torch.empty(T, (H + 2 * Hkv) * D, dtype=x.dtype)
-    o = torch.empty(T, H * D, dtype=x.dtype)
-    h = torch.empty(T, layer0.ffn_dim, dtype=x.dtype)
-    (spans_f, tails_f), (spans_s, tails_s) = plan.full, plan.sliding
-    (cos, sin), (cos_l, sin_l) = rope, rope_local
-    n_feat = 0 if where is None else where.shape[1]
-    rc = lib.specdec_layers(
-        records.data_ptr(), 0, records.shape[0], ptrs[0].data_ptr(), ptrs[1].data_ptr(), pool.layers[0].kt.shape[1],
-        T, x.shape[-1], H, Hkv, D, layer0.ffn_dim, layer0.eps, layer0.scale, kernels.DTYPES[x.dtype], x.data_ptr(),
-        qkv.data_ptr(), o.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(),
-        sin_l.data_ptr(), plan.slots.data_ptr(), spans_f.data_ptr(), tails_f.data_ptr(), spans_s.data_ptr(),
-        tails_s.data_ptr(), *lib.fns, n_feat, where[0].data_ptr() if n_feat else None,
-        where[1].data_ptr() if n_feat else None, feats.data_ptr() if n_feat else None,
-        feats.shape[1] if n_feat else 0)
-    if rc != 0:
-        raise MemoryError("a kernel ran out of memory") if rc == -1 else ValueError("kernel shapes")
-    return x
-
-
 class Transformer:
     """Token embedding -> blocks -> final norm -> output head (tied to the embedding or not).
 
@@ -540,13 +507,37 @@ class Transformer:
 
     def _layers_in_c(self, records: torch.Tensor, x: torch.Tensor, rope, rope_local, cache: KVCache,
                      plan: AttentionPlan, feats: torch.Tensor | None) -> torch.Tensor:
-        """The layers through kernels/forward.c, which copies the aux layers' inputs into feats' columns."""
+        """x [1, T, dim] through every layer in one kernels/forward.c call on the "kernel" plan, which also copies
+        the aux layers' inputs into feats' columns (EAGLE-3's features) -> [1, T, dim]."""
+        a, lib, layer0 = self.args, kernels.forward_lib(), self.layers[0]
         aux = self.aux_layers or ()
         where = getattr(self, "_feat_where", None)
         if where is None or where[0] != aux:  # (layers, columns) of the features forward.c copies out
-            cols = [j * self.args.dim for j in range(len(aux))]
+            cols = [j * a.dim for j in range(len(aux))]
             self._feat_where = where = (aux, torch.tensor([list(aux), cols], dtype=torch.int64).reshape(2, -1))
-        return run_layers(records, self.layers[0], x, cache, rope, rope_local, plan, feats, where[1])
+        where = where[1]
+        T, H, Hkv, D = x.shape[1], a.n_heads, a.n_kv_heads, layer0.head_dim
+        pool = cache.pool
+        ptrs = getattr(pool, "_layer_ptrs", None)
+        if ptrs is None:
+            ptrs = pool._layer_ptrs = (torch.tensor([c.kv.data_ptr() for c in pool.layers], dtype=torch.int64),
+                                       torch.tensor([c.kt.data_ptr() for c in pool.layers], dtype=torch.int64))
+        x = x.contiguous().clone()  # updated in place
+        qkv = torch.empty(T, (H + 2 * Hkv) * D, dtype=x.dtype)
+        o = torch.empty(T, H * D, dtype=x.dtype)
+        h = torch.empty(T, layer0.ffn_dim, dtype=x.dtype)
+        (spans_f, tails_f), (spans_s, tails_s) = plan.full, plan.sliding
+        (cos, sin), (cos_l, sin_l) = rope, rope_local
+        rc = lib.specdec_layers(
+            records.data_ptr(), 0, len(self.layers), ptrs[0].data_ptr(), ptrs[1].data_ptr(),
+            pool.layers[0].kt.shape[1], T, a.dim, H, Hkv, D, layer0.ffn_dim, layer0.eps, layer0.scale,
+            kernels.DTYPES[x.dtype], x.data_ptr(), qkv.data_ptr(), o.data_ptr(), h.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), plan.slots.data_ptr(), spans_f.data_ptr(),
+            tails_f.data_ptr(), spans_s.data_ptr(), tails_s.data_ptr(), *lib.fns, len(aux), where[0].data_ptr(),
+            where[1].data_ptr(), feats.data_ptr() if aux else None, feats.shape[1] if aux else 0)
+        if rc != 0:
+            raise MemoryError("a kernel ran out of memory") if rc == -1 else ValueError("kernel shapes")
+        return x
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed.rows(tokens).to(self.dtype)
