@@ -62,12 +62,12 @@ class KVPool:
                  device: torch.device | str = "cpu", transposed_keys: bool = False, latent: bool = False):
         """latent: multi-head latent attention (models/mla.py): a slot holds one vector of head_dim (the compressed
         kv latent and the rope key, [kv_lora_rank + rope_dim]) instead of 2 Hkv heads; kv [layers, 1, S, 1, D],
-        and k_all / v_all are both views of it."""
+        k_all / v_all are both views of it, and its key tiles (transposed_keys) are [layers, 1, tiles, D, 32]."""
         self.max_len = max_len
         self.stride = -(-max_len // kernels.TILE) * kernels.TILE  # slots between sequences, whole tiles
         S = self.stride * n_slots
         if latent:
-            n_kv_heads, transposed_keys = 1, False
+            n_kv_heads = 1
         self.kv = lazy_zeros((n_layers, 1, S, 1 if latent else 2 * n_kv_heads, head_dim), dtype, device)
         # per-layer views as attention reads them: [1, Hkv, S, D] (made once; slicing them per step is one op)
         self.k_all = [self.kv[i, :, :, :n_kv_heads].transpose(1, 2) for i in range(n_layers)]

@@ -143,11 +143,55 @@ def test_many_chain_rows_with_a_window_equal_decode_steps(H, Hkv, D):
         torch.testing.assert_close(batched.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,D,Dv", [(16, 576, 512), (4, 48, 32), (3, 80, 64), (5, 32, 16)])
+def test_latent_rows_equal_decode_steps_and_sdpa(dtype, H, D, Dv):
+    """Multi-head latent attention (attend_latent): H query heads over one latent vector a slot, its first Dv elements
+    the value; a chain's rows, a tree's scattered tails and the rows of two sequences in one call are each bitwise the
+    row alone, and close to SDPA over the same slots (DeepSeek-V3's 576 / 512 among the sizes)."""
+    S = 600
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(1, S, 1, D, generator=g).to(dtype)
+    kt = kernels.key_tiles(1, 1, D, S, dtype)[0]
+    kernels.store_keys(kv, kt, 0, S)
+    scale = D ** -0.5
+
+    def latent(q, rows):
+        spans, tail = kernels.row_spans([(base, start, [int(x) for x in t]) for base, start, t in rows], None)
+        return kernels.attend_latent(q, kv, kt, Dv, spans, tail, scale)
+
+    def ref(q, slots):
+        k = kv[:, slots].transpose(1, 2).float()  # [1, 1, n, D]
+        return F.scaled_dot_product_attention(q.transpose(1, 2).float(), k, k, scale=scale, enable_gqa=True
+                                              )[..., :Dv].transpose(1, 2)
+
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for start, T in [(0, 1), (5, 4), (40, 13), (250, 9), (290, 3)]:  # 256+ keys: rows in halves
+        q = torch.randn(1, T, H, D, generator=g).to(dtype)
+        batched = latent(q, [(0, start, range(start, start + i + 1)) for i in range(T)])
+        assert batched.shape == (1, T, H, Dv)
+        for i in range(T):
+            alone = latent(q[:, i:i + 1].contiguous(), [(0, start + i, [start + i])])
+            assert torch.equal(batched[:, i], alone[:, 0]), (start, T, i)
+            torch.testing.assert_close(batched[:, i:i + 1].float(), ref(q[:, i:i + 1], list(range(start + i + 1))),
+                                       atol=tol, rtol=tol)
+    q = torch.randn(1, 4, H, D, generator=g).to(dtype)  # a tree path's tail, then a second sequence from slot 320
+    rows = [(0, 100, [100, 103, 105]), (0, 100, [100, 104]), (320, 50, [370]), (320, 50, [370, 371])]
+    both = latent(q, rows)
+    for i, row in enumerate(rows):
+        assert torch.equal(both[:, i], latent(q[:, i:i + 1].contiguous(), [row])[:, 0]), i
+        slots = list(range(row[0], row[0] + row[1])) + list(row[2])
+        torch.testing.assert_close(both[:, i:i + 1].float(), ref(q[:, i:i + 1], slots), atol=tol, rtol=tol)
+
+
 def test_models_use_the_kernel_only_where_it_applies():
     cpu = torch.device("cpu")
     assert kernels.kernel_supports(torch.bfloat16, cpu, 64) and kernels.kernel_supports(torch.float32, cpu, 256)
     assert not kernels.kernel_supports(torch.float16, cpu, 64)  # f16: SDPA
     assert not kernels.kernel_supports(torch.bfloat16, cpu, 48)  # a head size it is not built for
+    assert kernels.kernel_supports(torch.bfloat16, cpu, 576, 512)  # MLA: DeepSeek-V3's latent and rope key
+    assert kernels.kernel_supports(torch.float32, cpu, 48, 32)
+    assert not kernels.kernel_supports(torch.bfloat16, cpu, 72, 48)  # MLA values: 16, 32 or a multiple of 64 wide
     assert not kernels.kernel_supports(torch.bfloat16, torch.device("meta"), 64)  # not the CPU
 
 

@@ -263,10 +263,13 @@ def test_unknown_moe_variant_is_one_line_error(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_forward_batch_rows_equal_solo_rows(folders):
-    """Continuous batching (Engine's forward_batch) on a MoE trunk: each sequence's rows are bitwise its solo
-    exact forward, whatever experts the other sequence's rows chose."""
-    m = build(folders["qwen3_moe"][0], torch.bfloat16, "int8")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_forward_batch_rows_equal_solo_rows(folders, arch):
+    """Continuous batching (Engine's forward_batch) on a MoE trunk (and on MLA's latent cache, attended by the
+    kernel): each sequence's rows are bitwise its solo exact forward, whatever experts the other sequence's rows
+    chose."""
+    m = build(folders[arch][0], torch.bfloat16, "int8")
+    assert m.kernel
     pool = m.new_pool(2)
     a, b = pool.acquire(), pool.acquire()
     with torch.inference_mode():

@@ -76,9 +76,14 @@ def attention_lib() -> ctypes.CDLL | None:
     ptr, i = ctypes.c_void_p, ctypes.c_int
     f.argtypes = [ptr, ctypes.c_long, ptr, ptr, ctypes.c_long, i, i, i, i, ptr, ptr, ptr, ptr, ctypes.c_float, ptr,
                   i]
+    f = dll.specdec_attend_latent
+    f.restype = ctypes.c_int
+    f.argtypes = [ptr, ctypes.c_long, ptr, ptr, ctypes.c_long, i, i, i, i, ptr, ptr, ptr, ptr, ctypes.c_float, ptr,
+                  i]
     g = dll.specdec_store_keys
     g.restype = None
-    g.argtypes = [ptr, ptr, i, ctypes.c_long, ctypes.c_long, ctypes.c_long, i, i, ctypes.c_long, ctypes.c_long, i]
+    g.argtypes = [ptr, ptr, i, ctypes.c_long, ctypes.c_long, ctypes.c_long, i, i, ctypes.c_long, ctypes.c_long,
+                  ctypes.c_long, i]
     r = dll.specdec_rope_store
     r.restype = None
     r.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, ctypes.c_long, ptr, i]
@@ -88,9 +93,16 @@ def attention_lib() -> ctypes.CDLL | None:
 HEAD_DIMS = (16, 32, 64, 128, 256)  # head sizes attention.c is built for
 
 
-def kernel_supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
-    """Whether a model with these settings attends through the kernel (else PyTorch SDPA)."""
-    return device.type == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS and attention_lib() is not None
+def kernel_supports(dtype: torch.dtype, device: torch.device, head_dim: int, value_dim: int | None = None) -> bool:
+    """Whether a model with these settings attends through the kernel (else PyTorch SDPA); value_dim: multi-head
+    latent attention, whose slot vector is head_dim wide (keys) and whose values are its first value_dim elements
+    (attend_latent)."""
+    if value_dim is None:
+        fits = head_dim in HEAD_DIMS
+    else:
+        fits = head_dim % 16 == 0 and head_dim <= 1024 and value_dim <= head_dim and (
+            value_dim in (16, 32) or value_dim % 64 == 0)
+    return device.type == "cpu" and dtype in DTYPES and fits and attention_lib() is not None
 
 
 def row_spans(rows: list[tuple[int, int, list[int]]], window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,8 +139,8 @@ def store_keys(kv: torch.Tensor, kt: torch.Tensor, start: int, end: int) -> None
     every = kv.dim() == 5
     Hkv, tiles, D, _ = kt.shape[-4:]
     attention_lib().specdec_store_keys(kv.data_ptr(), kt.data_ptr(), kv.shape[0] if every else 1,
-                                       kv.stride(0) if every else 0,
-                                       kt.stride(0) if every else 0, tiles, Hkv, D, start, end, kv.element_size())
+                                       kv.stride(0) if every else 0, kt.stride(0) if every else 0, tiles, Hkv, D,
+                                       kv.shape[-2] * kv.shape[-1], start, end, kv.element_size())
 
 
 def rope_store(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -159,6 +171,26 @@ def attend(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, n_heads: int, 
                                         p + 16 * T, scale, out.data_ptr(), DTYPES[qkv.dtype])
     if rc != 0:
         raise MemoryError("the attention kernel ran out of memory") if rc == -1 else ValueError(f"head size {D}")
+    return out
+
+
+def attend_latent(query: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, value_dim: int, spans: torch.Tensor,
+                  tails: torch.Tensor, scale: float) -> torch.Tensor:
+    """Multi-head latent attention (models/mla.py, absorbed): query [1, T, H, D] (contiguous; each head's query in
+    latent space) over one layer's latent cache kv [1, S, 1, D] (one vector a slot: the key, whose first value_dim
+    elements are the value) and its tiles kt [1, tiles, D, 32], each row over its own slots (row_spans)
+    -> [1, T, H, value_dim]. Batch-invariant as attend() is."""
+    _, T, H, D = query.shape
+    assert query.is_contiguous() and kv.is_contiguous() and kt.is_contiguous()
+    assert query.dtype == kv.dtype == kt.dtype and spans.numel() == 3 * T + 1
+    out = torch.empty(1, T, H, value_dim, dtype=query.dtype)
+    p = spans.data_ptr()
+    rc = attention_lib().specdec_attend_latent(query.data_ptr(), H * D, kv.data_ptr(), kt.data_ptr(), kt.shape[1],
+                                               H, D, value_dim, T, p, p + 8 * T, tails.data_ptr(), p + 16 * T, scale,
+                                               out.data_ptr(), DTYPES[query.dtype])
+    if rc != 0:
+        why = "the attention kernel ran out of memory" if rc == -1 else f"latent sizes {D}, {value_dim}"
+        raise MemoryError(why) if rc == -1 else ValueError(why)
     return out
 
 

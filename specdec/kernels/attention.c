@@ -168,7 +168,7 @@ typedef struct {
     const int64_t *tail;
     float *s;    /* scores by slot: s[slot - base], for the slots of the unit's interval */
     float *p;    /* the part's scores in key order (into s when there is no tail), then exp(s - max) */
-    float *part; /* [D + 2]: max, sum, then sum_j exp(s_j - max) v_j */
+    float *part; /* [Dv + 2]: max, sum, then sum_j exp(s_j - max) v_j */
 } rowhead;
 
 #define MAX_R 12 /* (row, head) pairs whose scores are computed together: 24 accumulators */
@@ -291,8 +291,9 @@ typedef struct {
                 values_cv_##NAME(4, R, v, stride, rh, col);                                                        \
     }                                                                                                              \
                                                                                                                    \
-    /* One unit: its nr pairs rh (each query, keys and part set) over KV head kvh; scratch qt: MAX_R * D floats */ \
-    static void unit_##NAME(rowhead *rh, int nr, const T_ *kv, const T_ *kth, int Hkv, long kvh, int D,            \
+    /* One unit: its nr pairs rh (each query, keys and part set) over one KV head, whose keys are in the tiles kth \
+       (D wide) and whose value of slot j is vals[j * stride ..] (Dv wide); scratch qt: MAX_R * D floats */        \
+    static void unit_##NAME(rowhead *rh, int nr, const T_ *vals, long stride, const T_ *kth, int D, int Dv,        \
                             float scale, long base, float *qt) {                                                   \
         /* scores, MAX_R pairs at a time, each tile that holds one of their slots loaded once for all of them */   \
         for (int r0 = 0; r0 < nr; r0 += MAX_R) {                                                                   \
@@ -313,8 +314,8 @@ typedef struct {
                     __builtin_prefetch((const char *)(kth + (x + 1) * D * BLOCK) + c);                             \
                 if (r0 == 0) /* and the next tile's value rows, into L2 for the outputs: memory bound at T = 1 */  \
                     for (long j = (x + 1) * BLOCK; j < (x + 2) * BLOCK; j++)                                       \
-                        for (int c = 0; c < D * (int)sizeof(T_); c += 64)                                          \
-                            __builtin_prefetch((const char *)(kv + j * 2L * Hkv * D + (Hkv + kvh) * D) + c, 0, 2); \
+                        for (int c = 0; c < Dv * (int)sizeof(T_); c += 64)                                         \
+                            __builtin_prefetch((const char *)(vals + j * stride) + c, 0, 2);                       \
                 scores_any_##NAME(R, qt, kth + x * D * BLOCK, D, scale, rh + r0, x * BLOCK - base);                \
             }                                                                                                      \
         }                                                                                                          \
@@ -359,9 +360,8 @@ typedef struct {
             rh[r].part[1] = sum[0];                                                                                \
         }                                                                                                          \
         /* outputs, MAX_RV pairs at a time, each value row loaded once for all of them */                          \
-        long stride = 2L * Hkv * D;                                                                                \
         for (int r0 = 0; r0 < nr; r0 += MAX_RV)                                                                    \
-            values_any_##NAME(nr - r0 < MAX_RV ? nr - r0 : MAX_RV, kv + (Hkv + kvh) * D, stride, rh + r0, D);      \
+            values_any_##NAME(nr - r0 < MAX_RV ? nr - r0 : MAX_RV, vals, stride, rh + r0, Dv);                     \
     }                                                                                                              \
                                                                                                                    \
     /* One head's output from its parts: o = acc / sum for one part; for two, rescaled to their common max. */     \
@@ -418,7 +418,8 @@ static int row_part(const rowinfo *ri, int half, rowhead *rh) {
 /* One unit: the heads of KV head kvh, for rows t0 .. t1 - 1 (those that have part half) -> their parts. Returns -1
    when memory runs out. */
 static int run_unit(const void *q, long q_stride, const void *kv, const void *kt, long tiles, int H, int Hkv, int D,
-                    const rowinfo *rows, int t0, int t1, int kvh, int half, float scale, float *parts, int bf16) {
+                    int Dv, int latent, const rowinfo *rows, int t0, int t1, int kvh, int half, float scale,
+                    float *parts, int bf16) {
     int group = H / Hkv, nr = 0;
     long first = 1L << 62, last = -1, longest = 0; /* the slots the pairs' keys span, the most keys of a pair */
     for (int t = t0; t < t1; t++) {
@@ -453,13 +454,17 @@ static int run_unit(const void *q, long q_stride, const void *kv, const void *kt
             rh[r].q = (const char *)q + (t * q_stride + (long)h * D) * esize;
             rh[r].s = mem + (long)r * (span + plen);
             rh[r].p = x.ntail ? rh[r].s + span : rh[r].s + (x.a - base);
-            rh[r].part = parts + ((long)(t * H + h) * 2 + half) * (D + 2);
+            rh[r].part = parts + ((long)(t * H + h) * 2 + half) * (Dv + 2);
         }
     }
+    /* a slot's value: head Hkv + kvh of its 2 Hkv heads, or (latent) the first Dv elements of its one vector */
+    long voff = latent ? 0 : (long)(Hkv + kvh) * D, stride = latent ? D : 2L * Hkv * D;
     if (bf16)
-        unit_attend_bf16(rh, nr, kv, (const uint16_t *)kt + kvh * tiles * D * BLOCK, Hkv, kvh, D, scale, base, qt);
+        unit_attend_bf16(rh, nr, (const uint16_t *)kv + voff, stride, (const uint16_t *)kt + kvh * tiles * D * BLOCK,
+                         D, Dv, scale, base, qt);
     else
-        unit_attend_f32(rh, nr, kv, (const float *)kt + kvh * tiles * D * BLOCK, Hkv, kvh, D, scale, base, qt);
+        unit_attend_f32(rh, nr, (const float *)kv + voff, stride, (const float *)kt + kvh * tiles * D * BLOCK, D,
+                        Dv, scale, base, qt);
     return 0;
 }
 
@@ -467,17 +472,15 @@ static int run_unit(const void *q, long q_stride, const void *kv, const void *kt
    (keys in heads 0..Hkv-1, values in Hkv..2Hkv-1); kt: the same keys in tiles [Hkv, tiles, D, 32] (store_keys).
    Row t attends the slots lo[t] .. hi[t] - 1, then tails[toff[t] .. toff[t + 1]) (at least one slot in all);
    out: [T, H, D] contiguous. D must be 16, 32, 64, 128 or 256. Returns 0, -1 when memory runs out, -2 for an
-   unsupported D.
+   unsupported D. (specdec_attend_latent: the same for multi-head latent attention.)
 
    The work is cut in units (a KV head, a half, a group of rows), spread over OpenMP threads (the runtime PyTorch
    loaded: one thread pool); the unit that completes a (KV head, group of rows) last merges its pairs' halves. A
    unit is computed whole by one thread, and a pair's arithmetic does not depend on which unit holds it, so
    threading changes no result. */
-int specdec_attend(const void *q, long q_stride, const void *kv, const void *kt, long tiles, int H, int Hkv, int D,
-                   int T, const int64_t *lo, const int64_t *hi, const int64_t *tails, const int64_t *toff,
-                   float scale, void *out, int bf16) {
-    if (D != 16 && D != 32 && D != 64 && D != 128 && D != 256)
-        return -2;
+static int attend(const void *q, long q_stride, const void *kv, const void *kt, long tiles, int H, int Hkv, int D,
+                  int Dv, int latent, int T, const int64_t *lo, const int64_t *hi, const int64_t *tails,
+                  const int64_t *toff, float scale, void *out, int bf16) {
     int group = H / Hkv, halves = 1, threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
@@ -485,7 +488,7 @@ int specdec_attend(const void *q, long q_stride, const void *kv, const void *kt,
     /* rows in groups: never rows of two sequences in one (their slots are a pool slot apart, and a unit's scores
        span every tile between its rows' keys); a single sequence's rows in ng groups, so that the units are a
        multiple of the threads (balanced) when they are few */
-    size_t nparts = (size_t)T * H * 2 * (D + 2);
+    size_t nparts = (size_t)T * H * 2 * (Dv + 2);
     float *parts = grow(&call_buf, &call_size,
                         sizeof(float) * nparts + sizeof(rowinfo) * T + sizeof(int) * (Hkv + 1) * (T + 1));
     if (!parts)
@@ -518,7 +521,8 @@ int specdec_attend(const void *q, long q_stride, const void *kv, const void *kt,
     for (int u = 0; u < units; u++) {
         int kvh = u / (halves * ng), half = u / ng % halves, g = u % ng, t0 = gb[g], t1 = gb[g + 1];
         if (failed ||
-            run_unit(q, q_stride, kv, kt, tiles, H, Hkv, D, rows, t0, t1, kvh, half, scale, parts, bf16)) {
+            run_unit(q, q_stride, kv, kt, tiles, H, Hkv, D, Dv, latent, rows, t0, t1, kvh, half, scale, parts,
+                     bf16)) {
             failed = 1;
             continue;
         }
@@ -526,30 +530,52 @@ int specdec_attend(const void *q, long q_stride, const void *kv, const void *kt,
             continue; /* the other half is still being computed */
         for (int t = t0; t < t1; t++)
             for (int h = kvh * group; h < (kvh + 1) * group; h++) {
-                const float *p0 = parts + (long)(t * H + h) * 2 * (D + 2);
-                const float *p1 = rows[t].cut < rows[t].n ? p0 + D + 2 : 0;
+                const float *p0 = parts + (long)(t * H + h) * 2 * (Dv + 2);
+                const float *p1 = rows[t].cut < rows[t].n ? p0 + Dv + 2 : 0;
                 if (bf16)
-                    merge_attend_bf16(p0, p1, D, (uint16_t *)out + (long)(t * H + h) * D);
+                    merge_attend_bf16(p0, p1, Dv, (uint16_t *)out + (long)(t * H + h) * Dv);
                 else
-                    merge_attend_f32(p0, p1, D, (float *)out + (long)(t * H + h) * D);
+                    merge_attend_f32(p0, p1, Dv, (float *)out + (long)(t * H + h) * Dv);
             }
     }
     return failed ? -1 : 0;
 }
 
-/* Copy the keys of slots start..end-1 from kv [S, 2 Hkv, D] into the tiles kt [Hkv, tiles, D, 32], for n_layers
-   layers (kv_layer / kt_layer: elements between layers); esize: bytes per element (2 or 4). */
+int specdec_attend(const void *q, long q_stride, const void *kv, const void *kt, long tiles, int H, int Hkv, int D,
+                   int T, const int64_t *lo, const int64_t *hi, const int64_t *tails, const int64_t *toff,
+                   float scale, void *out, int bf16) {
+    if (D != 16 && D != 32 && D != 64 && D != 128 && D != 256)
+        return -2;
+    return attend(q, q_stride, kv, kt, tiles, H, Hkv, D, D, 0, T, lo, hi, tails, toff, scale, out, bf16);
+}
+
+/* Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434), absorbed: all H query heads (D = kv_lora_rank +
+   rope_dim wide, in latent space) attend one vector per slot, kv [S, 1, D] (tiles kt [1, tiles, D, 32]), which is
+   each slot's key, and whose first Dv (= kv_lora_rank) elements are its value. out: [T, H, Dv]. One KV head of H
+   query heads: every key tile and value row is loaded once for up to MAX_R / MAX_RV heads. D a multiple of 16,
+   Dv 16, 32 or a multiple of 64, at most D. Returns as specdec_attend. */
+int specdec_attend_latent(const void *q, long q_stride, const void *kv, const void *kt, long tiles, int H, int D,
+                          int Dv, int T, const int64_t *lo, const int64_t *hi, const int64_t *tails,
+                          const int64_t *toff, float scale, void *out, int bf16) {
+    if (D % W || D > 1024 || Dv > D || (Dv != 16 && Dv != 32 && Dv % 64))
+        return -2;
+    return attend(q, q_stride, kv, kt, tiles, H, 1, D, Dv, 1, T, lo, hi, tails, toff, scale, out, bf16);
+}
+
+/* Copy the keys of slots start..end-1 from kv [S, 2 Hkv, D] (or a latent cache [S, 1, D]: row = elements per slot)
+   into the tiles kt [Hkv, tiles, D, 32], for n_layers layers (kv_layer / kt_layer: elements between layers);
+   esize: bytes per element (2 or 4). */
 #define STORE_KEYS(T_)                                                                                             \
     for (int layer = 0; layer < n_layers; layer++)                                                                 \
         for (long x = start; x < end; x++)                                                                         \
             for (int h = 0; h < Hkv; h++) {                                                                        \
-                const T_ *src = (const T_ *)kv + layer * kv_layer + (x * 2 * Hkv + h) * D;                         \
+                const T_ *src = (const T_ *)kv + layer * kv_layer + x * row + h * D;                               \
                 T_ *dst = (T_ *)kt + layer * kt_layer + (h * tiles + x / BLOCK) * D * BLOCK + x % BLOCK;           \
                 for (int d = 0; d < D; d++)                                                                        \
                     dst[d * BLOCK] = src[d];                                                                       \
             }
 void specdec_store_keys(const void *kv, void *kt, int n_layers, long kv_layer, long kt_layer, long tiles, int Hkv,
-                        int D, long start, long end, int esize) {
+                        int D, long row, long start, long end, int esize) {
     if (esize == 2) {
         STORE_KEYS(uint16_t)
     } else {

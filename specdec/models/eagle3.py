@@ -83,7 +83,8 @@ class Eagle3Module:
         self.head = head
         self.embed = trunk.embed
         self.rope = make_rope(a, self.max_len, trunk.rope.cos.dtype, self.device)  # the layer's own: full rotary
-        self.kernel = trunk.kernel  # the attention kernel, as the trunk's: its cache keeps the keys in tiles
+        # the attention kernel where the trunk's dtype and this layer's head size allow: its cache keeps key tiles
+        self.kernel = kernels.kernel_supports(dtype, self.device, a.head_dim)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache(1, *cache_shape(self.args), max_len or self.max_len, self.dtype, self.device,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..cache import LayerCache
 from ..config import ModelArgs
 
@@ -93,10 +94,19 @@ class MLAttention:
 
     def attend(self, query: torch.Tensor, latent: torch.Tensor, c: LayerCache, start: int, plan) -> torch.Tensor:
         """Write the T new latents [B, T, r + d_r] to the cache, then attention of query [B, H, T, r + d_r] over the
-        sequence's slots, every head against the one cached vector per slot -> [B, H, T, r]."""
+        sequence's slots, every head against the one cached vector per slot -> [B, H, T, r]. The "kernel" plan:
+        kernels.attend_latent, rows of one or several sequences at their absolute plan.slots (batch-invariant)."""
         T = latent.shape[1]
+        if plan.kind == "kernel":
+            slots = plan.slots
+            c.kv[0, slots, 0] = latent[0]
+            c.kt[0, slots // kernels.TILE, :, slots % kernels.TILE] = latent[0]  # the keys in their tiles too
+            o = kernels.attend_latent(query.transpose(1, 2).contiguous(), c.kv, c.kt, self.r, *plan.full, self.scale)
+            return o.transpose(1, 2)
         b, L = c.base, start + T
         c.kv[:, b + start:b + L, 0] = latent
+        if c.kt is not None:  # a prefill ("masked") of a cache whose decode steps run in the kernel
+            kernels.store_keys(c.kv, c.kt, b + start, b + L)
 
         def over(q: torch.Tensor, end: int, mask: torch.Tensor | None = None) -> torch.Tensor:
             kv = c.kv[:, b:b + end].transpose(1, 2)  # [1, 1, end, r + d_r]: keys, and (first r) values

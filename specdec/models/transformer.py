@@ -384,8 +384,11 @@ class Transformer:
         if args.rope_local_theta is not None:
             self.rope_local = Rope(rope_inv_freq(args.head_dim, args.rope_local_theta, None), self.max_len, dtype, dev)
         self.embed_scale = torch.tensor(args.embed_scale, dtype=dtype, device=dev)
-        # MLA attends in PyTorch (its latent cache is not the kernel's layout), so each sequence decodes alone
-        self.kernel = kernels.kernel_supports(dtype, dev, args.head_dim) and args.attention != "mla"
+        # the attention kernel where dtype, device and head size allow (MLA: over its latent slots, attend_latent)
+        if args.attention == "mla":
+            self.kernel = kernels.kernel_supports(dtype, dev, cache_shape(args)[1], args.kv_lora_rank)
+        else:
+            self.kernel = kernels.kernel_supports(dtype, dev, args.head_dim)
         # layers whose inputs the hidden output also carries (EAGLE-3 heads set them; n_layers = the last output)
         self.aux_layers: tuple[int, ...] = ()
 
