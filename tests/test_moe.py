@@ -281,3 +281,60 @@ def test_forward_batch_rows_equal_solo_rows(folders, arch):
         solo_a, _ = m(torch.tensor([IDS[5:8]]), torch.tensor([5, 6, 7]), a, exact=True)
         solo_b, _ = m(torch.tensor([IDS[9:11]]), torch.tensor([6, 7]), b, exact=True)
     assert torch.equal(batch[:3], solo_a[0]) and torch.equal(batch[3:], solo_b[0])
+
+
+def fuse_experts(sd: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """The state dict with each layer's routed experts stacked as transformers 5 holds them: mlp.experts.gate_up_proj
+    [E, 2 I, D] (gate rows, then up rows), mlp.experts.down_proj [E, D, I]."""
+    import re
+
+    out, stacks = {}, {}
+    for k, v in sd.items():
+        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", k)
+        if m:
+            stacks.setdefault(m[1], {})[(int(m[2]), m[3])] = v
+        else:
+            out[k] = v
+    n = cfg.get("num_experts") or cfg["n_routed_experts"]
+    for prefix, parts in stacks.items():
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down"] for e in range(n)])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_fused_expert_layout_reads_as_per_expert(tmp_path, arch):
+    """A folder whose routed experts are stacked (transformers 5's in-memory layout, as a raw state dict saves them;
+    the MTP layer's experts too) gives bitwise the per-expert folder's logits, reading one expert's slice at a
+    time; a stack of the wrong shape is a one-line error."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from specdec.config import ModelError
+
+    folder, _, sd = write_moe_hf(arch, tmp_path / "per-expert", seed=3, n_mtp=1 if arch == "deepseek_v3" else 0)
+    cfg = json.loads((folder / "config.json").read_text())
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    (fused / "config.json").write_text(json.dumps(cfg))
+    stacked = fuse_experts(sd, cfg)
+    assert any(k.endswith("gate_up_proj") for k in stacked) and not any(".experts.0." in k for k in stacked)
+    save_file({k: v.contiguous() for k, v in stacked.items()}, str(fused / "model.safetensors"))
+    lm_a, lm_b = read_model(folder), read_model(fused)
+    assert lm_a.args.n_mtp_layers == lm_b.args.n_mtp_layers
+    names = [n for n in lm_a.weights if ".exp." in n]
+    assert names and sorted(names) == sorted(n for n in lm_b.weights if ".exp." in n)
+    for n in names:
+        assert torch.equal(lm_a.weights[n], lm_b.weights[n]), n
+    a, b = (Transformer(lm.args, lm.weights, torch.float32, "none", max_len=64) for lm in (lm_a, lm_b))
+    with torch.inference_mode():
+        la, _ = a(torch.tensor([IDS]), torch.arange(len(IDS)), a.new_cache())
+        lb, _ = b(torch.tensor([IDS]), torch.arange(len(IDS)), b.new_cache())
+    assert torch.equal(la, lb)
+    bad = next(k for k in stacked if k.endswith("down_proj") and "experts" in k)
+    stacked[bad] = stacked[bad].transpose(1, 2)
+    save_file({k: v.contiguous() for k, v in stacked.items()}, str(fused / "model.safetensors"))
+    with pytest.raises(ModelError, match="not this config's model") as e:
+        read_model(fused)
+    assert "\n" not in str(e.value)

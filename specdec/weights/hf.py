@@ -53,6 +53,9 @@ _LAYER = {
     "self_attn.kv_b_proj": "attn_kv_b",
 }
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")  # routed expert e -> exp.{e}.ffn_*
+# routed experts stacked, as transformers 5 holds them in memory (and state dicts saved without its conversion):
+# gate_up_proj [E, 2 I, D] (each expert's gate rows, then its up rows), down_proj [E, D, I]
+_FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|e_score_correction_bias)$")
 _MIMO_MTP_RE = re.compile(r"^model\.mtp_layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -209,6 +212,8 @@ def canonical_name(hf_name: str, gemma: bool, n_layers: int | None = None) -> st
 
     n_layers: the trunk's layer count; layers from n_layers on are DeepSeek-style MTP modules (``mtp.{i}.*``)."""
     hf_name = hf_name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
+    if _FUSED_RE.match(hf_name):  # stacked experts: read per expert by _fused_experts
+        return None
     for prefix, name in _TOP.items():
         if hf_name in (f"{prefix}.weight", f"{prefix}.bias"):
             return name + (".bias" if hf_name.endswith(".bias") else "")
@@ -230,6 +235,27 @@ def canonical_name(hf_name: str, gemma: bool, n_layers: int | None = None) -> st
     else:
         return f"blk.{layer}.hf.{part}{suffix}"  # kept, unused by the trunk
     return f"blk.{layer}.{short}{suffix}"
+
+
+def _fused_experts(hf_name: str, shape: tuple[int, ...], args: ModelArgs, shard: str, expert_loader):
+    """The per-expert canonical tensors (name, shape, loader) of a stacked expert tensor (_FUSED_RE), [] for any
+    other tensor. A stack of the wrong shape is a ModelError."""
+    m = _FUSED_RE.match(hf_name)
+    if not m:
+        return []
+    layer, kind = int(m[1]), m[2]
+    prefix = f"blk.{layer}." if layer < args.n_layers else f"mtp.{layer - args.n_layers}."
+    E, D, inner = args.n_experts, args.dim, args.moe_ffn_dim
+    want = (E, 2 * inner, D) if kind == "gate_up_proj" else (E, D, inner)
+    if shape != want:
+        raise ModelError(f"{hf_name} has shape {list(shape)}, not {list(want)} (experts, rows, columns) as "
+                         "transformers stacks them: the folder is not this config's model")
+    if kind == "down_proj":
+        return [(f"{prefix}exp.{e}.ffn_down", (D, inner), expert_loader(hf_name, shard, e, slice(None)))
+                for e in range(E)]
+    halves = (("ffn_gate", slice(0, inner)), ("ffn_up", slice(inner, 2 * inner)))
+    return [(f"{prefix}exp.{e}.{short}", (inner, D), expert_loader(hf_name, shard, e, part))
+            for e in range(E) for short, part in halves]
 
 
 def _open_shard(path: Path):
@@ -295,6 +321,14 @@ def read_hf(folder: Path) -> LoadedModel:
 
         return load
 
+    def expert_loader(hf_name: str, shard: str, e: int, part: slice):
+        def load() -> torch.Tensor:  # only expert e's bytes are read (a slice of the stacked tensor)
+            if shard not in handles:
+                handles[shard] = safe_open(folder / shard, framework="pt")
+            return handles[shard].get_slice(hf_name)[e][part].float()
+
+        return load
+
     loaders, nbytes, numel, dtypes = {}, {}, {}, set()
     for hf_name, shard in weight_map.items():
         name = canonical_name(hf_name, gemma, args.n_layers)
@@ -305,12 +339,16 @@ def read_hf(folder: Path) -> LoadedModel:
         with _open_shard(folder / shard) as f:
             for k in f.keys():  # noqa: SIM118
                 sl = f.get_slice(k)
-                name = canonical_name(k, gemma, args.n_layers)
                 dtypes.add(sl.get_dtype())
+                size = {"F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
+                for name, shape, load in _fused_experts(k, tuple(sl.get_shape()), args, shard, expert_loader):
+                    loaders[name], shapes[name], numel[name] = load, shape, math.prod(shape)
+                    nbytes[name] = numel[name] * size
+                name = canonical_name(k, gemma, args.n_layers)
                 if name is not None:
                     shapes[name] = tuple(sl.get_shape())
                     numel[name] = math.prod(sl.get_shape())
-                    nbytes[name] = numel[name] * {"F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
+                    nbytes[name] = numel[name] * size
     if "output" not in loaders:
         args.tie_embeddings = True
     check_model(args, shapes, str(folder))
