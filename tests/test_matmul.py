@@ -165,3 +165,27 @@ def test_symmetric_int4_reads_no_zeros():
     ids = torch.tensor([0, 17, 63])
     ref = ((q[ids].float() - 8).reshape(3, 4, 32) * scale[ids].to(torch.bfloat16).float()[..., None]).reshape(3, 128)
     torch.testing.assert_close(sym.rows(ids), ref)
+
+
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_heads_in_one_call_equal_each_head_alone(cls, dtype):
+    """matmul_heads (MLA's absorbed per-head matrices): head h of one call over H heads is bitwise that head's own
+    matmul, for every T; a symmetric head (no zeros) among asymmetric ones included."""
+    H, n, k = 5, 48, 64
+    layers = [cls(weights(n, k, seed=h), None) for h in range(H)]
+    if cls is Int4Linear:
+        g = torch.Generator().manual_seed(3)
+        q, scale = torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // 32, generator=g) * 0.01 + 0.001
+        layers[2] = Int4Linear.from_codes(q, scale, torch.zeros(n, k // 32), None)  # symmetric: no zeros to read
+        assert layers[2].zeros is None and layers[0].zeros is not None
+    ptrs = kernels.head_pointers(layers)
+    g = torch.Generator().manual_seed(1)
+    for T in (1, 3, 7, 9):
+        x = torch.randn(H, T, k, generator=g).to(dtype)
+        y = kernels.matmul_heads(x, layers[0].bits, ptrs, n)
+        assert y.shape == (H, T, n) and y.dtype == dtype
+        for h, lin in enumerate(layers):
+            assert torch.equal(y[h], lin.apply(x[h])), (T, h)
+            for t in range(T):  # and each row alone
+                assert torch.equal(y[h, t:t + 1], kernels.matmul_heads(x[:, t:t + 1], lin.bits, ptrs, n)[h])

@@ -338,3 +338,40 @@ def test_fused_expert_layout_reads_as_per_expert(tmp_path, arch):
     with pytest.raises(ModelError, match="not this config's model") as e:
         read_model(fused)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_mla_absorbed_matrices_quantized_per_head(tmp_path, monkeypatch, quant):
+    """With quantized weights, MLA's absorbed W_UK / W_UV run per head in the matmul kernel (one matmul_heads call
+    each): fewer bytes than the bf16 tables, logits near those of the same model with the bf16 tables, and
+    verification rows bitwise the decode steps (the kernel is batch-invariant). Nope head size 32 here, a multiple
+    of the kernel's groups."""
+    import types
+
+    from specdec import kernels
+    from specdec.models import mla as mla_module
+
+    if kernels.matmul_lib() is None:
+        pytest.skip("no matmul kernel on this CPU")
+    folder, _, _ = write_moe_hf("deepseek_v2", tmp_path / "ds", seed=5, qk_nope_head_dim=32)
+    m = build(folder, torch.bfloat16, quant)
+    no_heads = types.SimpleNamespace(**{k: getattr(kernels, k) for k in dir(kernels) if not k.startswith("__")})
+    no_heads.matmul_supports = lambda *a: False
+    monkeypatch.setattr(mla_module, "kernels", no_heads)
+    ref = build(folder, torch.bfloat16, quant)  # the same quantized model, its absorbed matrices bf16 tables
+    monkeypatch.undo()
+    mla = next(layer.mla for layer in m.layers)
+    assert mla.uk is not None and len(mla.uk) == mla.H and ref.layers[0].mla.uk is None
+    assert sum(t.nbytes for t in mla.tensors()) < sum(t.nbytes for t in ref.layers[0].mla.tensors())
+    n = 5
+    with torch.inference_mode():
+        cache = m.new_cache()
+        m(torch.tensor([IDS[:n]]), torch.arange(n), cache)
+        steps = [m(torch.tensor([[t]]), torch.tensor([n + i]), cache)[0][0, 0] for i, t in enumerate(IDS[n:])]
+        cache.rollback(n)
+        rows, _ = m(torch.tensor([IDS[n:]]), torch.arange(n, len(IDS)), cache, exact=True)
+        theirs, _ = ref(torch.tensor([IDS]), torch.arange(len(IDS)), ref.new_cache())
+    for i, step in enumerate(steps):
+        assert torch.equal(rows[0, i], step), f"row {i}"
+    err = (torch.stack(steps) - theirs[0, n:]).abs().max() / theirs.abs().max()
+    assert 0 < err < (0.06 if quant == "int8" else 0.2), err

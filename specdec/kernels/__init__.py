@@ -206,6 +206,8 @@ def matmul_lib() -> ctypes.CDLL | None:
     f.restype = ctypes.c_int
     ptr, i = ctypes.c_void_p, ctypes.c_int
     f.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, i, ptr, ctypes.c_float, i, ptr]
+    dll.specdec_matmul_heads.restype = ctypes.c_int
+    dll.specdec_matmul_heads.argtypes = [ptr, i, i, i, i, i, ptr, ptr, ptr, ptr, i]
     return dll
 
 
@@ -276,6 +278,29 @@ def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor
     if rc != 0:
         raise MemoryError("the matmul kernel ran out of memory") if rc == -1 else ValueError(f"matmul shape {n}x{k}")
     return y if y.dtype == dtype else y.to(dtype)
+
+
+def head_pointers(linears: list) -> torch.Tensor:
+    """int64 [3, H]: the packed codes, scales and zeros (0: symmetric) of H quantized linear layers of one shape and
+    format (quant.Int4Linear / Int8Linear in the kernel's layout), as matmul_heads() takes them. The layers must
+    outlive the pointers."""
+    return torch.tensor([[lin.weight.data_ptr() for lin in linears], [lin.scales.data_ptr() for lin in linears],
+                         [lin.zeros.data_ptr() if getattr(lin, "zeros", None) is not None else 0 for lin in linears]],
+                        dtype=torch.int64)
+
+
+def matmul_heads(x: torch.Tensor, bits: int, pointers: torch.Tensor, n: int) -> torch.Tensor:
+    """H products at once, y[h] = x[h] W_h^T: x [H, T, K] (f32 or bf16), W_h [n, K] the layers of head_pointers()
+    -> [H, T, n] in x's dtype; each head bitwise what matmul() gives for it (see matmul.c)."""
+    H, T, k = x.shape
+    x = x.contiguous()
+    y = torch.empty(H, T, n, dtype=x.dtype)
+    p = pointers.data_ptr()
+    rc = matmul_lib().specdec_matmul_heads(x.data_ptr(), H, T, k, n, bits, p, p + 8 * H, p + 16 * H, y.data_ptr(),
+                                           DTYPES[x.dtype])
+    if rc != 0:
+        raise MemoryError("the matmul kernel ran out of memory") if rc == -1 else ValueError(f"matmul shape {n}x{k}")
+    return y
 
 
 @functools.cache

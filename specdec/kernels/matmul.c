@@ -258,3 +258,43 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
     return -2;
 #endif
 }
+
+/* H independent products y_h = x_h W_h^T, h = 0..H-1 (multi-head latent attention's absorbed per-head matrices,
+   models/mla.py): x [H, T, K] head-major and contiguous, W_h [N, K] packed as specdec_matmul takes it, its codes /
+   scales / zeros at w[h], s[h], z[h] (z[h] NULL: symmetric), y [H, T, N]. One call instead of H: the H T activation
+   rows are quantized in one pass and OpenMP splits the (head, block of 16 outputs) pairs. Each output is computed
+   by the instructions specdec_matmul uses for it, whatever T and H: batch-invariant. Returns as specdec_matmul. */
+int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, const uint8_t *const *w,
+                         const uint16_t *const *s, const uint16_t *const *z, void *y, int bf16) {
+#if HAVE_VNNI
+    if (K % GROUP || N % LANES || (bits != 4 && bits != 8) || T < 1 || H < 1) return -2;
+    int G = K / GROUP, blocks = N / LANES;
+    long rows = (long)H * T;
+    int8_t *qx = malloc((size_t)rows * K);
+    float *d = malloc(sizeof(float) * (size_t)rows * G), *ds = malloc(sizeof(float) * (size_t)rows * G);
+    float *c = calloc((size_t)rows, sizeof(float));
+    if (!qx || !d || !ds || !c) {
+        free(qx), free(d), free(ds), free(c);
+        return -1;
+    }
+    quantize_rows(x, bf16, (int)rows, K, NULL, 0.0f, qx, d, ds, c);
+    int failed = 0;
+    _Pragma("omp parallel reduction(| : failed)") {
+        float *acc = malloc(sizeof(float) * (size_t)T * LANES);
+        if (!acc) failed = 1;
+        _Pragma("omp for schedule(static)") for (long i = 0; i < (long)H * blocks; i++) {
+            if (!acc) continue;
+            long h = i / blocks, b = i % blocks, r0 = h * T;
+            block_all(w[h], s[h], z[h], bits, G, b, qx + r0 * K, d + r0 * G, ds + r0 * G, c + r0, K, T, acc);
+            for (int t = 0; t < T; t++)
+                store_out(y, bf16, (r0 + t) * N + b * LANES, _mm512_loadu_ps(acc + t * LANES));
+        }
+        free(acc);
+    }
+    free(qx), free(d), free(ds), free(c);
+    return failed ? -1 : 0;
+#else
+    (void)x, (void)H, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)z, (void)y, (void)bf16;
+    return -2;
+#endif
+}

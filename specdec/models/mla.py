@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..cache import LayerCache
 from ..config import ModelArgs
+from ..quant import make_linear
 
 
 class MLAttention:
@@ -38,9 +39,10 @@ class MLAttention:
     (or attn_q [H (n + d_r), dim]), attn_kv_a_mqa [r + d_r, dim], attn_kv_a_norm [r], attn_kv_b [H (n + v), r] (or
     llama.cpp's split attn_k_b [H, r, n] and attn_v_b [H, v, r]), attn_output [dim, H v]."""
 
-    def __init__(self, args: ModelArgs, src, prefix: str, dtype: torch.dtype, linear, norm):
+    def __init__(self, args: ModelArgs, src, prefix: str, dtype: torch.dtype, linear, norm, quant: str = "none",
+                 device: torch.device | None = None):
         """linear(key, names): a (fused) linear layer of tensors `names` under prefix (Block's); norm(name): an
-        RMSNorm of tensor `name`."""
+        RMSNorm of tensor `name`; quant: as Block's (the absorbed per-head matrices are quantized unless "none")."""
         a = args
         self.H, self.n, self.dr, self.v, self.r = a.n_heads, a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim, a.kv_lora_rank
         self.q_lora, self.scale = a.q_lora_rank, a.query_scale
@@ -52,21 +54,43 @@ class MLAttention:
         self.wo = linear("wo", ("attn_output",))
         H, n, v, r = self.H, self.n, self.v, self.r
 
-        def absorbed() -> tuple[torch.Tensor, torch.Tensor]:
-            if prefix + "attn_kv_b" in src:
-                kv_b = src[prefix + "attn_kv_b"].view(H, n + v, r)
-                return kv_b[:, :n], kv_b[:, n:]
-            return src[prefix + "attn_k_b"].transpose(1, 2), src[prefix + "attn_v_b"]  # [H, r, n] -> [H, n, r]
+        made: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-        # W_UK [H, n, r] and W_UV [H, v, r] in the activation dtype (absorbed matrices are used as plain matmuls)
-        self.w_uk = src.table(prefix + "w_uk", lambda: absorbed()[0].to(dtype).contiguous())
-        self.w_uv = src.table(prefix + "w_uv", lambda: absorbed()[1].to(dtype).contiguous())
+        def absorbed() -> tuple[torch.Tensor, torch.Tensor]:  # W_UK [H, n, r], W_UV [H, v, r]; read once
+            if not made:
+                if prefix + "attn_kv_b" in src:
+                    kv_b = src[prefix + "attn_kv_b"].view(H, n + v, r)
+                    made.append((kv_b[:, :n], kv_b[:, n:]))
+                else:  # llama.cpp's split tensors: attn_k_b [H, r, n] -> [H, n, r]
+                    made.append((src[prefix + "attn_k_b"].transpose(1, 2), src[prefix + "attn_v_b"]))
+            return made[0]
+
+        def bits() -> float:
+            names = ("attn_kv_b",) if prefix + "attn_kv_b" in src else ("attn_k_b", "attn_v_b")
+            return src.bits(*(prefix + name for name in names))
+
+        device = device or torch.device("cpu")
+        self.uk = self.uv = None
+        if quant != "none" and kernels.matmul_supports(r, n, device) and kernels.matmul_supports(v, r, device):
+            # per head, quantized as the file's tensor (quant.make_linear), all heads in one kernels.matmul_heads
+            # call: q_lat_h = q_nope_h W_UK_h is a layer of weight W_UK_h^T [r, n], o_h W_UV_h^T one of W_UV_h
+            def head(key: str, h: int, w):
+                return src.linear(f"{prefix}{key}.{h}", lambda: make_linear(w, None, dtype, quant, bits()))
+
+            self.uk = [head("w_uk", h, lambda h=h: absorbed()[0][h].T.contiguous()) for h in range(H)]
+            self.uv = [head("w_uv", h, lambda h=h: absorbed()[1][h].contiguous()) for h in range(H)]
+            self.uk_ptrs, self.uv_ptrs = kernels.head_pointers(self.uk), kernels.head_pointers(self.uv)
+        else:  # in the activation dtype, as plain batched matmuls
+            self.w_uk = src.table(prefix + "w_uk", lambda: absorbed()[0].to(dtype).contiguous())
+            self.w_uv = src.table(prefix + "w_uv", lambda: absorbed()[1].to(dtype).contiguous())
 
     def linears(self) -> list:
         return [lin for lin in (self.w_a, self.w_qb, self.wo) if lin is not None]
 
     def tensors(self) -> list[torch.Tensor]:
         norms = [nm.twice for nm in (self.q_a_norm, self.kv_a_norm) if nm is not None]
+        if self.uk is not None:
+            return [t for lin in self.uk + self.uv for t in lin.tensors()] + norms
         return [self.w_uk, self.w_uv] + norms
 
     def __call__(self, x: torch.Tensor, attn_norm, rope: tuple[torch.Tensor, torch.Tensor], c: LayerCache,
@@ -86,10 +110,18 @@ class MLAttention:
         latent = torch.cat([self.kv_a_norm(a[..., split:split + r]),
                             apply_rope(a[..., None, split + r:], *rope)[:, :, 0]], dim=-1)  # [B, T, r + d_r]
         # absorb W_UK: each head's query in latent space, [B, H, T, r] then [B, H, T, r + d_r] with its rope part
-        q_lat = torch.matmul(q[..., :n].transpose(1, 2), self.w_uk)
+        heads = self.uk is not None
+        if heads:
+            q_lat = torch.stack([kernels.matmul_heads(q[i, :, :, :n].transpose(0, 1), self.uk[0].bits, self.uk_ptrs, r)
+                                 for i in range(B)])
+        else:
+            q_lat = torch.matmul(q[..., :n].transpose(1, 2), self.w_uk)
         query = torch.cat([q_lat, q_rope.transpose(1, 2)], dim=-1)
         o = self.attend(query, latent, c, start, plan)  # [B, H, T, r]
-        o = torch.matmul(o, self.w_uv.transpose(1, 2))  # absorb W_UV: [B, H, T, v]
+        if heads:  # absorb W_UV: [B, H, T, v]
+            o = torch.stack([kernels.matmul_heads(o[i], self.uv[0].bits, self.uv_ptrs, self.v) for i in range(B)])
+        else:
+            o = torch.matmul(o, self.w_uv.transpose(1, 2))
         return self.wo.apply(o.transpose(1, 2).reshape(B, T, H * self.v), residual=x)
 
     def attend(self, query: torch.Tensor, latent: torch.Tensor, c: LayerCache, start: int, plan) -> torch.Tensor:

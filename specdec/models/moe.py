@@ -109,6 +109,11 @@ class MoE:
         h = self.norm(x).reshape(-1, shape[-1])  # [R, dim]
         weights, ids = route(self.router_logits(h, exact), self.args, self.bias)  # [R, k] each
         R, k = ids.shape
+        if R == 1:  # a decode step: its k experts in top-k order, no grouping (the same operations, so the same bits)
+            chosen = ids[0].tolist()
+            self.last_distinct = len(set(chosen))
+            outs = [self.experts[e][1](self.experts[e][0].apply(h, swiglu=True)) for e in chosen]
+            return self._combine(x, h, outs, weights.to(h.dtype))
         flat = ids.flatten()  # [R k]: slot j of row r at r k + j
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.args.n_experts).tolist()
@@ -123,11 +128,15 @@ class MoE:
             w13, w2 = self.experts[e]
             out[slots] = w2(w13.apply(h[slots // k], swiglu=True))
         out = out.view(R, k, -1)
-        w = weights.to(h.dtype)
-        y = out[:, 0] * w[:, :1]
-        for j in range(1, k):  # in each row's own top-k order
-            y = y + out[:, j] * w[:, j:j + 1]
+        return self._combine(x, h, [out[:, j] for j in range(k)], weights.to(h.dtype))
+
+    def _combine(self, x: torch.Tensor, h: torch.Tensor, outs: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
+        """x + the rows' k expert outputs outs[j] [R, dim] weighted by w [R, k], summed in each row's own top-k
+        order, + the shared experts of h [R, dim]."""
+        y = outs[0] * w[:, :1]
+        for j in range(1, len(outs)):
+            y = y + outs[j] * w[:, j:j + 1]
         if self.shared is not None:
             w13, w2 = self.shared
             y = y + w2(w13.apply(h, swiglu=True))
-        return x + y.view(shape)
+        return x + y.view(x.shape)

@@ -179,7 +179,7 @@ class Block:
 
         norm = lambda n: RMSNorm(src.raw(prefix + n).to(device), a.norm_eps, dtype)  # noqa: E731
         self.attn_norm, self.ffn_norm = norm("attn_norm"), norm("ffn_norm")
-        self.mla = MLAttention(a, src, prefix, dtype, linear, norm) if a.attention == "mla" else None
+        self.mla = MLAttention(a, src, prefix, dtype, linear, norm, quant, device) if a.attention == "mla" else None
         if self.mla is None:
             self.wqkv = linear("wqkv", ("attn_q", "attn_k", "attn_v"),
                                ("attn_q.bias", "attn_k.bias", "attn_v.bias") if a.qkv_bias else ())
