@@ -281,3 +281,63 @@ def test_sources_rest_while_nothing_pays_and_catch_up_on_the_text():
     calls = src.calls
     run(auto, 10, lambda d: [1, 2, 3, 4, 5, 6, 7, 8, 9][:len(d) + 1])
     assert src.calls - calls == 10 and auto.quiet == 0  # consulted every step while it pays
+
+
+def test_what_auto_learned_is_where_the_next_process_starts(monkeypatch, tmp_path):
+    """At exit the latest policies of a model are written under $SPECDEC_CACHE/auto; a later process (no policies in
+    memory) with the same model identity, sources and regime starts from them, so heads that lost are not drafted
+    on the priors again; another identity, another regime or a corrupt file start from the priors."""
+    import specdec.spec.auto as auto_mod
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(auto_mod, "_ON_DISK", {})
+
+    class Model:  # the in-memory key (a target model)
+        pass
+
+    def fresh(memory="model-a", regime="temp 0.8"):
+        monkeypatch.setattr(auto_mod, "_LEARNED", auto_mod.weakref.WeakKeyDictionary())  # a new process
+        heads = Fake("mtp", False, [7, 7, 7, 7])
+        auto = AutoProposer({"suffix": Fake("suffix", True, [5] * 8), "mtp": heads}, learned=Model(),
+                            regime=regime, memory=memory)
+        auto.begin([1, 2, 3])
+        return auto, heads
+
+    first, _ = fresh()
+    prior = first.policies["mtp"].acceptance()
+    run(first, 300, wrong)  # the heads are probed and lose; the lookup never matches
+    learned = first.policies["mtp"].acceptance()
+    assert learned[0] < prior[0]
+    auto_mod.write_memory()
+    files = list((tmp_path / "auto").glob("*.json"))
+    assert len(files) == 1
+    again, heads = fresh()
+    assert again.policies["mtp"].acceptance() == learned and again.policies["mtp"].probe_gap > 32
+    assert again.policies["mtp"].verify_s == {}  # costs are measured afresh
+    run(again, 64, wrong)
+    assert heads.calls == 0  # not probed on the priors within its first 64 steps
+    assert fresh(memory="model-b")[0].policies["mtp"].acceptance() == prior
+    assert fresh(regime="greedy")[0].policies["mtp"].acceptance() == prior
+    files[0].write_text('{"version": 1, "policies": {"mtp": {"acc": [1]}}}')
+    assert fresh()[0].policies["mtp"].acceptance() == prior
+    monkeypatch.setenv("SPECDEC_AUTO_MEMORY", "0")
+    assert auto_mod.memory_file("model-a", ["suffix"], "greedy") is None
+
+
+def test_memory_identity_follows_the_model_file(tmp_path):
+    """The identity is the target file's path, size and modification time (and the heads' source): a rewritten file
+    is another model."""
+    import os
+    from types import SimpleNamespace
+
+    from specdec.spec import _identity
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x" * 10)
+    target = SimpleNamespace(path=f)
+    a = _identity(target, None, None)
+    assert a == _identity(SimpleNamespace(path=f), None, None)
+    assert a != _identity(target, ("eagle3", None, None, "shipped h.safetensors"), None)
+    os.utime(f, ns=(1, 1))
+    assert _identity(target, None, None) != a
+    assert _identity(SimpleNamespace(path=None), None, None) is None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 from ..config import ModelError
 from ..sampling import SamplingParams, make_generator
 from .base import Draft, Proposer
@@ -24,6 +28,23 @@ def resolve_mtp(target, heads: str | None = None, kind: str | None = None):
         kind, drafter, vocab_map = load_heads(path, target)
         return kind, drafter, vocab_map, f"shipped {path.name}"
     return None
+
+
+def _identity(target, mtp, draft) -> str | None:
+    """What auto's on-disk memory is keyed by: the target's file (path, size, modification time), the heads' source
+    and the draft model's file; None for a model loaded from no file."""
+    parts = []
+    for m in (target, draft):
+        path = getattr(m, "path", None)
+        if m is not None and path is None:
+            return None
+        if path is not None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            parts.append([str(Path(path).resolve()), st.st_size, st.st_mtime_ns])
+    return json.dumps([parts, mtp[3] if mtp else None]) if parts else None
 
 
 def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None, mtp=None, index=None
@@ -65,7 +86,8 @@ def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None,
                                               argmax_drafts, draft)
         k_max = 8 if spec.draft_max == "auto" else int(spec.draft_max)
         return AutoProposer(sources, k_max, spec.draft_min, learned=getattr(target, "model", target),
-                            regime="greedy" if params.greedy else f"temp {params.temperature:g}")
+                            regime="greedy" if params.greedy else f"temp {params.temperature:g}",
+                            memory=_identity(target, mtp, draft))
     if spec.kind == "draft":
         from .draft_model import DraftModelProposer, check_vocab
 
