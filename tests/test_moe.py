@@ -73,8 +73,12 @@ def test_yarn_matters(folders):
 def test_rows_batch_invariant(folders, arch, dtype, quant):
     """A verification over T rows computes each row bitwise as its decode step does (exact=True): the MoE layers'
     grouped expert matmuls and the routing of a row do not depend on the other rows."""
-    m = build(folders[arch][0], dtype, quant)
-    n = 5
+    steps_equal_rows(build(folders[arch][0], dtype, quant))
+
+
+def steps_equal_rows(m: Transformer, n: int = 5) -> torch.Tensor:
+    """Decode IDS[n:] step by step after a prefill of IDS[:n], then verify them in one exact forward: every row
+    bitwise its step. -> the steps' logits [len(IDS) - n, V]."""
     with torch.inference_mode():
         cache = m.new_cache()
         m(torch.tensor([IDS[:n]]), torch.arange(n), cache)
@@ -83,6 +87,7 @@ def test_rows_batch_invariant(folders, arch, dtype, quant):
         rows, _ = m(torch.tensor([IDS[n:]]), torch.arange(n, len(IDS)), cache, exact=True)
     for i, step in enumerate(steps):
         assert torch.equal(rows[0, i], step), f"row {i}"
+    return torch.stack(steps)
 
 
 def moe_layer(m: Transformer):
@@ -364,14 +369,8 @@ def test_mla_absorbed_matrices_quantized_per_head(tmp_path, monkeypatch, quant):
     assert mla.uk is not None and len(mla.uk) == mla.H and ref.layers[0].mla.uk is None
     assert sum(t.nbytes for t in mla.tensors()) < sum(t.nbytes for t in ref.layers[0].mla.tensors())
     n = 5
+    steps = steps_equal_rows(m, n)
     with torch.inference_mode():
-        cache = m.new_cache()
-        m(torch.tensor([IDS[:n]]), torch.arange(n), cache)
-        steps = [m(torch.tensor([[t]]), torch.tensor([n + i]), cache)[0][0, 0] for i, t in enumerate(IDS[n:])]
-        cache.rollback(n)
-        rows, _ = m(torch.tensor([IDS[n:]]), torch.arange(n, len(IDS)), cache, exact=True)
         theirs, _ = ref(torch.tensor([IDS]), torch.arange(len(IDS)), ref.new_cache())
-    for i, step in enumerate(steps):
-        assert torch.equal(rows[0, i], step), f"row {i}"
-    err = (torch.stack(steps) - theirs[0, n:]).abs().max() / theirs.abs().max()
+    err = (steps - theirs[0, n:]).abs().max() / theirs.abs().max()
     assert 0 < err < (0.06 if quant == "int8" else 0.2), err
