@@ -210,6 +210,21 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
     }
 }
 
+/* The T activation rows quantized (quantize_rows) into new buffers (the caller frees them); -1 when memory runs out. */
+static int quantized_input(const void *x, int bf16, int T, int K, const float *norm, float eps, int8_t **qx,
+                           float **d, float **ds, float **c) {
+    int G = K / GROUP;
+    *qx = malloc((size_t)T * K);
+    *d = malloc(sizeof(float) * (size_t)T * G), *ds = malloc(sizeof(float) * (size_t)T * G);
+    *c = calloc((size_t)T, sizeof(float));
+    if (!*qx || !*d || !*ds || !*c) {
+        free(*qx), free(*d), free(*ds), free(*c);
+        return -1;
+    }
+    quantize_rows(x, bf16, T, K, norm, eps, *qx, *d, *ds, *c);
+    return 0;
+}
+
 #endif
 
 /* y = x [T, K] W^T, W [N, K]. bits: 4 or 8. w: packed codes (see the header), s / z: bf16 scales / zeros laid out
@@ -224,14 +239,9 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
 #if HAVE_VNNI
     if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || (bits != 4 && bits != 8) || T < 1) return -2;
     int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N;
-    int8_t *qx = malloc((size_t)T * K);
-    float *d = malloc(sizeof(float) * (size_t)T * G), *ds = malloc(sizeof(float) * (size_t)T * G);
-    float *c = calloc((size_t)T, sizeof(float));
-    if (!qx || !d || !ds || !c) {
-        free(qx), free(d), free(ds), free(c);
-        return -1;
-    }
-    quantize_rows(x, bf16, T, K, norm, eps, qx, d, ds, c);
+    int8_t *qx;
+    float *d, *ds, *c;
+    if (quantized_input(x, bf16, T, K, norm, eps, &qx, &d, &ds, &c)) return -1;
     int failed = 0;
     _Pragma("omp parallel reduction(| : failed)") {
         float *acc = malloc(sizeof(float) * (size_t)T * LANES * 2);
@@ -269,22 +279,16 @@ int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, co
 #if HAVE_VNNI
     if (K % GROUP || N % LANES || (bits != 4 && bits != 8) || T < 1 || H < 1) return -2;
     int G = K / GROUP, blocks = N / LANES;
-    long rows = (long)H * T;
-    int8_t *qx = malloc((size_t)rows * K);
-    float *d = malloc(sizeof(float) * (size_t)rows * G), *ds = malloc(sizeof(float) * (size_t)rows * G);
-    float *c = calloc((size_t)rows, sizeof(float));
-    if (!qx || !d || !ds || !c) {
-        free(qx), free(d), free(ds), free(c);
-        return -1;
-    }
-    quantize_rows(x, bf16, (int)rows, K, NULL, 0.0f, qx, d, ds, c);
+    int8_t *qx;
+    float *d, *ds, *c;
+    if (quantized_input(x, bf16, H * T, K, NULL, 0.0f, &qx, &d, &ds, &c)) return -1;
     int failed = 0;
     _Pragma("omp parallel reduction(| : failed)") {
         float *acc = malloc(sizeof(float) * (size_t)T * LANES);
         if (!acc) failed = 1;
         _Pragma("omp for schedule(static)") for (long i = 0; i < (long)H * blocks; i++) {
             if (!acc) continue;
-            long h = i / blocks, b = i % blocks, r0 = h * T;
+            long h = i / blocks, b = i % blocks, r0 = h * (long)T;
             block_all(w[h], s[h], z[h], bits, G, b, qx + r0 * K, d + r0 * G, ds + r0 * G, c + r0, K, T, acc);
             for (int t = 0; t < T; t++)
                 store_out(y, bf16, (r0 + t) * N + b * LANES, _mm512_loadu_ps(acc + t * LANES));
