@@ -374,3 +374,40 @@ def test_mla_absorbed_matrices_quantized_per_head(tmp_path, monkeypatch, quant):
         theirs, _ = ref(torch.tensor([IDS]), torch.arange(len(IDS)), ref.new_cache())
     err = (steps - theirs[0, n:]).abs().max() / theirs.abs().max()
     assert 0 < err < (0.06 if quant == "int8" else 0.2), err
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_experts_in_one_call_equal_the_per_expert_path(folders, dtype, quant):
+    """With packed experts the routed experts run in one kernels.experts call: bitwise the per-expert path (each
+    chosen expert's own two matmuls over its rows), alone or in a batch; an expert no row chose is never read
+    (its weight pointers set to NULL: reading one would crash the test), and a chosen one is (pointed at another
+    expert's weights, the output changes)."""
+    from specdec import kernels
+
+    if kernels.matmul_lib() is None:
+        pytest.skip("no matmul kernel on this CPU")
+    moe = moe_layer(build(folders["qwen3_moe"][0], dtype, quant))
+    assert moe.tables is not None
+    x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    with torch.inference_mode():
+        one_call = moe(x, exact=True)
+        rows = torch.cat([moe(x[:, i:i + 1], exact=True) for i in range(9)], dim=1)
+        tables = moe.tables
+        moe.tables = None
+        per_expert = moe(x, exact=True)
+        moe.tables = tables
+        assert torch.equal(one_call, per_expert) and torch.equal(one_call, rows)
+        h = moe.norm(x[:, :2]).reshape(-1, 64)
+        _, ids = route(moe.router_logits(h, True), moe.args, moe.bias)
+        chosen = set(ids.flatten().tolist())
+        assert len(chosen) < moe.args.n_experts
+        w13, w2 = (t.clone() for t in tables[:2])
+        for e in set(range(moe.args.n_experts)) - chosen:
+            w13[e], w2[e] = 0, 0
+        moe.tables = (w13, w2, *tables[2:])
+        assert torch.equal(moe(x[:, :2], exact=True), one_call[:, :2])
+        e = min(chosen)
+        w13[e] = tables[0][(e + 1) % moe.args.n_experts]  # a chosen expert computed with another one's gate / up
+        assert not torch.equal(moe(x[:, :2], exact=True), one_call[:, :2])
+        moe.tables = tables

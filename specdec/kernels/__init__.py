@@ -208,6 +208,8 @@ def matmul_lib() -> ctypes.CDLL | None:
     f.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, i, ptr, ctypes.c_float, i, ptr]
     dll.specdec_matmul_heads.restype = ctypes.c_int
     dll.specdec_matmul_heads.argtypes = [ptr, i, i, i, i, i, ptr, ptr, ptr, ptr, i]
+    dll.specdec_experts.restype = ctypes.c_int
+    dll.specdec_experts.argtypes = [ptr, i, i, i, ptr, i, i, i, i, ptr, ptr, ptr, i]
     return dll
 
 
@@ -282,8 +284,8 @@ def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor
 
 def head_pointers(linears: list) -> torch.Tensor:
     """int64 [3, H]: the packed codes, scales and zeros (0: symmetric) of H quantized linear layers of one shape and
-    format (quant.Int4Linear / Int8Linear in the kernel's layout), as matmul_heads() takes them. The layers must
-    outlive the pointers."""
+    format (quant.Int4Linear / Int8Linear in the kernel's layout), as matmul_heads() takes them (experts() takes
+    the transpose, [H, 3]). The layers must outlive the pointers."""
     return torch.tensor([[lin.weight.data_ptr() for lin in linears], [lin.scales.data_ptr() for lin in linears],
                          [lin.zeros.data_ptr() if getattr(lin, "zeros", None) is not None else 0 for lin in linears]],
                         dtype=torch.int64)
@@ -301,6 +303,23 @@ def matmul_heads(x: torch.Tensor, bits: int, pointers: torch.Tensor, n: int) -> 
     if rc != 0:
         raise MemoryError("the matmul kernel ran out of memory") if rc == -1 else ValueError(f"matmul shape {n}x{k}")
     return y
+
+
+def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, bits13: int, bits2: int,
+            inner: int) -> torch.Tensor:
+    """A MoE layer's routed experts in one call (matmul.c's specdec_experts): x [R, D] (f32 or bf16, normed), ids
+    [R, k] int64 the chosen experts; w13 / w2: head_pointers()-style int64 tables [E, 3] of every expert's packed
+    gate-then-up [2 inner, D] and down [D, inner] layers -> [R, k, D], slot (r, j) the output of expert ids[r, j]
+    on row r, bitwise what that expert's own two matmul() calls give for it."""
+    R, D = x.shape
+    k = ids.shape[1]
+    x, ids = x.contiguous(), ids.contiguous()
+    out = torch.empty(R, k, D, dtype=x.dtype)
+    rc = matmul_lib().specdec_experts(x.data_ptr(), R, D, k, ids.data_ptr(), w13.shape[0], inner, bits13, bits2,
+                                      w13.data_ptr(), w2.data_ptr(), out.data_ptr(), DTYPES[x.dtype])
+    if rc != 0:
+        raise MemoryError("the matmul kernel ran out of memory") if rc == -1 else ValueError("expert shapes or ids")
+    return out
 
 
 @functools.cache

@@ -302,3 +302,108 @@ int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, co
     return -2;
 #endif
 }
+
+/* A mixture-of-experts layer's routed experts over R rows in one call (models/moe.py): out[r k + j] =
+   W2_e (silu(Wg_e x_r) * (Wu_e x_r)), e = ids[r k + j], for each row's k chosen experts. w13 [E][3] / w2 [E][3]:
+   each expert's packed gate-then-up [2 I, D] and down [D, I] layers (codes, scales, zeros or 0; bits13 / bits2
+   bits). The rows are quantized once; the slots are grouped by expert (ascending, rows in order within one), each
+   chosen expert's two products run over its rows only (experts no row chose are never read), and OpenMP splits the
+   (expert, block of 16 outputs) pairs of both phases. Every output row is computed by the instructions
+   specdec_matmul uses for that row alone (its swiglu call, then the down projection of the stored bf16 / f32
+   product), whatever the other rows chose: batch-invariant. out: [R k, D]. Returns as specdec_matmul. */
+int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int E, int I, int bits13, int bits2,
+                    const int64_t *w13, const int64_t *w2, void *out, int bf16) {
+#if HAVE_VNNI
+    if (D % GROUP || I % GROUP || I % LANES || D % LANES || (bits13 != 4 && bits13 != 8) ||
+        (bits2 != 4 && bits2 != 8) || R < 1 || k < 1)
+        return -2;
+    int n = R * k, G1 = D / GROUP, G2 = I / GROUP, esize = bf16 ? 2 : 4;
+    int *count = calloc((size_t)E + 1, sizeof(int)), *order = malloc(sizeof(int) * (size_t)n);
+    int *first = malloc(sizeof(int) * ((size_t)E + 1)), *used = malloc(sizeof(int) * ((size_t)E + 1));
+    int8_t *qx = NULL, *qs = malloc((size_t)n * D), *qa = NULL;
+    float *d = NULL, *ds = NULL, *c = NULL, *da = NULL, *dsa = NULL, *ca = NULL;
+    float *sd = malloc(sizeof(float) * (size_t)n * G1), *sds = malloc(sizeof(float) * (size_t)n * G1);
+    float *sc = malloc(sizeof(float) * (size_t)n);
+    char *a = malloc((size_t)n * I * esize);
+    int failed = !count || !order || !first || !used || !qs || !sd || !sds || !sc || !a;
+    for (int s = 0; s < n && !failed; s++)
+        failed = ids[s] < 0 || ids[s] >= E;
+    if (failed || quantized_input(x, bf16, R, D, NULL, 0.0f, &qx, &d, &ds, &c)) {
+        free(count), free(order), free(first), free(used), free(qs), free(sd), free(sds), free(sc), free(a);
+        return failed == 1 && count && order && first && used && qs && sd && sds && sc && a ? -2 : -1;
+    }
+    /* slots by expert (a counting sort: stable, so rows stay in order within an expert), and the experts used */
+    for (int s = 0; s < n; s++)
+        count[ids[s] + 1]++;
+    int nused = 0;
+    for (int e = 0; e < E; e++) {
+        first[e] = count[e];
+        count[e + 1] += count[e];
+        if (count[e + 1] > count[e])
+            used[nused++] = e;
+    }
+    first[E] = n;
+    for (int s = 0; s < n; s++)
+        order[count[ids[s]]++] = s; /* count[e] ends at first[e + 1] */
+    for (int i = 0; i < n; i++) { /* the slots' quantized rows, in sorted order */
+        int r = order[i] / k;
+        memcpy(qs + (long)i * D, qx + (long)r * D, D);
+        memcpy(sd + (long)i * G1, d + (long)r * G1, sizeof(float) * G1);
+        memcpy(sds + (long)i * G1, ds + (long)r * G1, sizeof(float) * G1);
+        sc[i] = c[r];
+    }
+    free(qx), free(d), free(ds), free(c);
+    int half = I / LANES; /* blocks of the gate half (the up half's block b + half pairs with gate block b) */
+    _Pragma("omp parallel reduction(| : failed)") {
+        int most = 0;
+        for (int u = 0; u < nused; u++)
+            most = first[used[u] + 1] - first[used[u]] > most ? first[used[u] + 1] - first[used[u]] : most;
+        float *acc = malloc(sizeof(float) * (size_t)most * LANES * 2);
+        if (!acc) failed = 1;
+        _Pragma("omp for schedule(static)") for (long i = 0; i < (long)nused * half; i++) {
+            if (!acc) continue;
+            int e = used[i / half], b = (int)(i % half), s0 = first[e], T = first[e + 1] - s0;
+            const int64_t *p = w13 + 3L * e;
+            const uint8_t *w = (const uint8_t *)p[0];
+            const uint16_t *s = (const uint16_t *)p[1], *z = (const uint16_t *)p[2];
+            block_all(w, s, z, bits13, G1, b, qs + (long)s0 * D, sd + (long)s0 * G1, sds + (long)s0 * G1, sc + s0, D,
+                      T, acc);
+            block_all(w, s, z, bits13, G1, b + half, qs + (long)s0 * D, sd + (long)s0 * G1, sds + (long)s0 * G1,
+                      sc + s0, D, T, acc + T * LANES);
+            for (int t = 0; t < T; t++)
+                store_out(a, bf16, (long)(s0 + t) * I + (long)b * LANES,
+                          silu_mul(_mm512_loadu_ps(acc + t * LANES), _mm512_loadu_ps(acc + (T + t) * LANES)));
+        }
+        free(acc);
+    }
+    if (!failed && quantized_input(a, bf16, n, I, NULL, 0.0f, &qa, &da, &dsa, &ca))
+        failed = 1;
+    int blocks2 = D / LANES;
+    if (!failed) {
+        _Pragma("omp parallel reduction(| : failed)") {
+            int most = 0;
+            for (int u = 0; u < nused; u++)
+                most = first[used[u] + 1] - first[used[u]] > most ? first[used[u] + 1] - first[used[u]] : most;
+            float *acc = malloc(sizeof(float) * (size_t)most * LANES);
+            if (!acc) failed = 1;
+            _Pragma("omp for schedule(static)") for (long i = 0; i < (long)nused * blocks2; i++) {
+                if (!acc) continue;
+                int e = used[i / blocks2], b = (int)(i % blocks2), s0 = first[e], T = first[e + 1] - s0;
+                const int64_t *p = w2 + 3L * e;
+                block_all((const uint8_t *)p[0], (const uint16_t *)p[1], (const uint16_t *)p[2], bits2, G2, b,
+                          qa + (long)s0 * I, da + (long)s0 * G2, dsa + (long)s0 * G2, ca + s0, I, T, acc);
+                for (int t = 0; t < T; t++)
+                    store_out(out, bf16, (long)order[s0 + t] * D + (long)b * LANES, _mm512_loadu_ps(acc + t * LANES));
+            }
+            free(acc);
+        }
+    }
+    free(qa), free(da), free(dsa), free(ca);
+    free(count), free(order), free(first), free(used), free(qs), free(sd), free(sds), free(sc), free(a);
+    return failed ? -1 : 0;
+#else
+    (void)x, (void)R, (void)D, (void)k, (void)ids, (void)E, (void)I, (void)bits13, (void)bits2, (void)w13, (void)w2;
+    (void)out, (void)bf16;
+    return -2;
+#endif
+}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..config import ModelArgs
 from ..quant import Linear, make_linear
 
@@ -80,6 +81,14 @@ class MoE:
             self.bias = torch.zeros(args.n_experts, device=device)
         self.experts = [(linear(f"exp.{e}.w13", (f"exp.{e}.ffn_gate", f"exp.{e}.ffn_up")),
                          linear(f"exp.{e}.w2", (f"exp.{e}.ffn_down",))) for e in range(args.n_experts)]
+        # every routed expert in one kernels.experts call when all are packed for matmul.c alike (else per expert)
+        self.tables = None
+        w13s, w2s = [pair[0] for pair in self.experts], [pair[1] for pair in self.experts]
+        alike = all(getattr(lin, "native", False) and lin.bias is None and lin.bits == group[0].bits
+                    for group in (w13s, w2s) for lin in group)
+        if alike and w13s[0].out_features % 32 == 0:
+            self.tables = (kernels.head_pointers(w13s).T.contiguous(), kernels.head_pointers(w2s).T.contiguous(),
+                           w13s[0].bits, w2s[0].bits, w13s[0].out_features // 2)
         self.shared = None
         if args.n_shared_experts:
             self.shared = (linear("w13_shexp", ("ffn_gate_shexp", "ffn_up_shexp")),
@@ -109,6 +118,10 @@ class MoE:
         h = self.norm(x).reshape(-1, shape[-1])  # [R, dim]
         weights, ids = route(self.router_logits(h, exact), self.args, self.bias)  # [R, k] each
         R, k = ids.shape
+        if self.tables is not None and h.dtype in kernels.DTYPES:  # one call: grouped, each row as if alone
+            out = kernels.experts(h, ids, *self.tables)
+            self.last_distinct = len(set(ids.flatten().tolist()))
+            return self._combine(x, h, [out[:, j] for j in range(k)], weights.to(h.dtype))
         if R == 1:  # a decode step: its k experts in top-k order, no grouping (the same operations, so the same bits)
             chosen = ids[0].tolist()
             self.last_distinct = len(set(chosen))
