@@ -71,3 +71,20 @@ def test_batched_greedy_equals_each_sequence_alone(model, kind, monkeypatch):
     monkeypatch.setattr(target.model, "forward_batch", lambda items: sizes.append(len(items)) or real(items))
     assert run(3) == solo
     assert max(sizes) == 3 and min(sizes) < 3  # really batched, with joins and leaves
+
+
+@pytest.mark.parametrize("tree", [None, (2, 2)])
+def test_seeded_mtp_sampling_is_the_plain_sampled_text(model, tree):
+    """Sampling (temperature 0.8, seeded) with the MoE trunk's own MTP layer drafting argmax chains or trees:
+    coupled verification writes the plain seeded run's text, token for token, while drafts are accepted."""
+    target, prompt, _ = model
+    if not target.mtp:
+        pytest.skip("this architecture ships no MTP layers")
+    params = SamplingParams(temperature=0.8, seed=3)
+    plain = generate(target.model, target.tokenizer, prompt, params, max_tokens=N, ignore_eos=True).tokens
+    spec = SpecConfig(kind="mtp", tree=tree, draft_max="4" if tree else "3")
+    argmax = SamplingParams(temperature=0.0)  # point-mass drafts, as auto and the CLI's mtp mode draft them
+    proposer = build_proposer(spec, target, argmax, mtp=resolve_mtp(target))
+    r = generate(target.model, target.tokenizer, prompt, params, max_tokens=N, ignore_eos=True, proposer=proposer,
+                 draft_length=FixedDraftLength(4 if tree else 3))
+    assert r.tokens == plain and r.stats.drafted > 0
