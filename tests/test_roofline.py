@@ -384,3 +384,18 @@ def test_roofline_command_moe_quick(tmp_path, capsys):
     assert [row["bytes"] for row in r["forward"]] == sorted(row["bytes"] for row in r["forward"])
     assert "mixture of experts: 2 of 3 layers" in captured.out and "| T | experts/layer expected" in captured.out
     assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_overhead_prediction_by_hand():
+    """The overhead model: v1 beyond bytes(1) / bw is fixed, bytes stream at bw, extra FLOPs at the peak; 1 at T = 1,
+    and more bytes cost less than under the calibrated model when v1 reads slower than bw."""
+    from specdec.bench.roofline import predicted_ratios
+
+    nbytes = {1: 100.0, 4: 250.0}
+    flops = {1: 10.0, 4: 40.0}
+    bw, peak, v1 = 10.0, 100.0, 15.0  # v1 = 10 s of bytes at bw + 5 s fixed
+    roof, cal, over = predicted_ratios(nbytes.get, flops.get, 4, bw, peak, v1)
+    assert roof == 25.0 / 10.0 and cal == 2.5 + 0.3 / 15.0
+    assert over == (5.0 + 25.0 + 0.3) / 15.0 and over < cal
+    assert predicted_ratios(nbytes.get, flops.get, 1, bw, peak, v1)[2] == 1.0
+    assert predicted_ratios(nbytes.get, flops.get, 4, bw, peak, 8.0)[2] == (25.0 + 0.3) / 8.0  # no negative fixed

@@ -440,15 +440,22 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
 
 
 def predicted_ratios(bytes_of: Callable[[int], float], flops_of: Callable[[int], float], t: int, read_bw: float,
-                     flops_peak: float, v1: float) -> tuple[float, float]:
-    """Two predictions of v(t) / v(1) from bytes and FLOPs per forward:
+                     flops_peak: float, v1: float) -> tuple[float, float, float]:
+    """Three predictions of v(t) / v(1) from bytes and FLOPs per forward:
     - roofline: max(bytes / read bandwidth, FLOPs / matmul peak) at t over the same at 1;
     - calibrated: the T = 1 forward's measured time v1 spread over its bytes (the achieved decode GB/s, per-op
       overheads included), so t tokens take bytes(t) at that rate plus their extra FLOPs at the matmul peak:
-      (v1 bytes(t) / bytes(1) + (FLOPs(t) - FLOPs(1)) / peak) / v1."""
+      (v1 bytes(t) / bytes(1) + (FLOPs(t) - FLOPs(1)) / peak) / v1;
+    - overhead: what v1 spends beyond reading its bytes at the read bandwidth is a fixed cost per forward (the
+      per-op and per-layer work that does not grow with bytes), and the bytes of t tokens stream at that bandwidth:
+      (o + bytes(t) / bw + (FLOPs(t) - FLOPs(1)) / peak) / v1, o = max(0, v1 - bytes(1) / bw). Where extra bytes
+      (a MoE verify's union of experts) are read at a better rate than the T = 1 forward's, calibrated
+      overestimates (DeepSeek-V2-Lite-shaped, docs/results/moe-decode.txt)."""
     floor = lambda x: max(bytes_of(x) / read_bw, flops_of(x) / flops_peak)  # noqa: E731
-    calibrated = bytes_of(t) / bytes_of(1) + (flops_of(t) - flops_of(1)) / flops_peak / v1
-    return floor(t) / floor(1), calibrated
+    extra = (flops_of(t) - flops_of(1)) / flops_peak
+    calibrated = bytes_of(t) / bytes_of(1) + extra / v1
+    fixed = max(0.0, v1 - bytes_of(1) / read_bw)
+    return floor(t) / floor(1), calibrated, (fixed + bytes_of(t) / read_bw + extra) / v1
 
 
 def moe_report(args: ModelArgs, layout: dict, kvt: int, context: int, costs: dict[int, float],
@@ -473,6 +480,7 @@ def moe_report(args: ModelArgs, layout: dict, kvt: int, context: int, costs: dic
                       "measured_ratio": costs[t] / costs[1],
                       "moe_roofline_ratio": pred["moe"][0], "moe_calibrated_ratio": pred["moe"][1],
                       "moe_measured_routing_calibrated_ratio": pred["measured"][1],
+                      "moe_overhead_ratio": pred["moe"][2], "moe_measured_routing_overhead_ratio": pred["measured"][2],
                       "dense_roofline_ratio": pred["dense"][0], "dense_calibrated_ratio": pred["dense"][1]})
     return {**{k: layout[k] for k in ("n_experts", "k", "n_shared", "moe_layers", "n_layers", "fixed_bytes",
                                        "active_bytes", "all_bytes")},
@@ -554,16 +562,17 @@ def print_moe(moe: dict) -> None:
     print("verifying T tokens reads the union of their experts: E (1 - (1 - k/E)^T) per layer under uniform "
           "independent routing (measured: random tokens through this model's routers). v(T)/v(1), measured vs "
           "predicted for this model and for a dense model of the same active bytes (roofline: max of the floors; "
-          "calibrated: bytes at the T=1 forward's achieved GB/s + extra FLOPs at the matmul peak):")
+          "calibrated: bytes at the T=1 forward's achieved GB/s + extra FLOPs at the matmul peak; overhead: the "
+          "T=1 forward's time beyond its bytes at STREAM read is fixed, bytes stream at STREAM read):")
     print("| T | experts/layer expected | measured | MB read | v(T)/v(1) measured | MoE calibrated | MoE calibrated, "
-          "measured routing | MoE roofline | dense calibrated | dense roofline |")
-    print("|---" * 10 + "|")
+          "measured routing | MoE overhead | MoE roofline | dense calibrated | dense roofline |")
+    print("|---" * 11 + "|")
     for c in moe["curve"]:
         md = "-" if c["measured_distinct"] is None else f"{c['measured_distinct']:.1f}"
         print(f"| {c['t']} | {c['expected_distinct']:.1f} | {md} | {c['weight_bytes'] / 1e6:.1f} | "
               f"{c['measured_ratio']:.2f} | {c['moe_calibrated_ratio']:.2f} | "
-              f"{c['moe_measured_routing_calibrated_ratio']:.2f} | {c['moe_roofline_ratio']:.2f} | "
-              f"{c['dense_calibrated_ratio']:.2f} | {c['dense_roofline_ratio']:.2f} |")
+              f"{c['moe_measured_routing_calibrated_ratio']:.2f} | {c['moe_overhead_ratio']:.2f} | "
+              f"{c['moe_roofline_ratio']:.2f} | {c['dense_calibrated_ratio']:.2f} | {c['dense_roofline_ratio']:.2f} |")
 
 
 def cmd_roofline(args) -> int:
