@@ -130,9 +130,9 @@ class MLAttention:
         kernels.attend_latent, rows of one or several sequences at their absolute plan.slots (batch-invariant)."""
         T = latent.shape[1]
         if plan.kind == "kernel":
-            slots = plan.slots
-            c.kv[0, slots, 0] = latent[0]
-            c.kt[0, slots // kernels.TILE, :, slots % kernels.TILE] = latent[0]  # the keys in their tiles too
+            tile, lane = plan.slot_tiles
+            c.kv[0, plan.slots, 0] = latent[0]
+            c.kt[0, tile, :, lane] = latent[0]  # the keys in their tiles too
             o = kernels.attend_latent(query.transpose(1, 2).contiguous(), c.kv, c.kt, self.r, *plan.full, self.scale)
             return o.transpose(1, 2)
         b, L = c.base, start + T

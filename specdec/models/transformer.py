@@ -11,6 +11,7 @@ Projections are fused (q|k|v in one matrix, gate|up in another) so a decode step
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -142,6 +143,11 @@ class AttentionPlan:
         # sliding-window layers; slots: int64 [T] the absolute pool slot each row's key and value go to ("kernel",
         # whose rows may belong to several sequences)
         self.kind, self.full, self.sliding, self.paths, self.slots = kind, full, sliding, paths, slots
+
+    @functools.cached_property
+    def slot_tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tile, lane) of each of `slots` in the attention kernel's key tiles, made once for every layer."""
+        return self.slots // kernels.TILE, self.slots % kernels.TILE
 
 
 class Block:

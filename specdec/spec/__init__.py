@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from ..config import ModelError
@@ -31,8 +30,11 @@ def resolve_mtp(target, heads: str | None = None, kind: str | None = None):
 
 
 def _identity(target, mtp, draft) -> str | None:
-    """What auto's on-disk memory is keyed by: the target's file (path, size, modification time), the heads' source
-    and the draft model's file; None for a model loaded from no file."""
+    """What auto's on-disk memory is keyed by: the target's file (path, sizes and modification times, as the layout
+    cache first compares them: a folder's files each), the heads' source and the draft model's; None for a model
+    loaded from no file."""
+    from ..weights.layout import cheap_identity
+
     parts = []
     for m in (target, draft):
         path = getattr(m, "path", None)
@@ -40,10 +42,9 @@ def _identity(target, mtp, draft) -> str | None:
             return None
         if path is not None:
             try:
-                st = os.stat(path)
+                parts.append([str(Path(path).resolve()), cheap_identity(Path(path))])
             except OSError:
                 return None
-            parts.append([str(Path(path).resolve()), st.st_size, st.st_mtime_ns])
     return json.dumps([parts, mtp[3] if mtp else None]) if parts else None
 
 
