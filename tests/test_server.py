@@ -521,6 +521,8 @@ def test_health_while_loading_then_queue_full(target, server):
                     async with c.stream("POST", srv.url + "/v1/chat/completions", json=long) as b:
                         assert b.status_code == 200  # queued
                         await b.aiter_lines().__anext__()
+                        props = (await c.get(srv.url + "/props")).json()  # A generating, B waiting for its slot
+                        assert (props["slots_processing"], props["queue_length"]) == (1, 1), props
                         third = await c.post(srv.url + "/v1/chat/completions", json=chat_body("hi"))
                         assert third.status_code == 503, third.text
                         assert third.headers["retry-after"] == "1"
