@@ -514,13 +514,14 @@ def test_health_while_loading_then_queue_full(target, server):
             async with httpx.AsyncClient(timeout=60) as c:
                 long = chat_body("Count from one to one hundred.", 1500, stream=True)
                 async with c.stream("POST", srv.url + "/v1/chat/completions", json=long) as a:
-                    lines = a.aiter_lines()
+                    lines = a.aiter_lines()  # kept (as b_lines below)
                     async for line in lines:  # until A has a slot and is generating
                         if '"content":"' in line and '"content":""' not in line:
                             break
                     async with c.stream("POST", srv.url + "/v1/chat/completions", json=long) as b:
                         assert b.status_code == 200  # queued
-                        await b.aiter_lines().__anext__()
+                        b_lines = b.aiter_lines()  # kept: a collected line iterator closes its connection
+                        await b_lines.__anext__()
                         props = (await c.get(srv.url + "/props")).json()  # A generating, B waiting for its slot
                         assert (props["slots_processing"], props["queue_length"]) == (1, 1), props
                         third = await c.post(srv.url + "/v1/chat/completions", json=chat_body("hi"))
