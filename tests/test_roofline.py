@@ -399,3 +399,23 @@ def test_overhead_prediction_by_hand():
     assert over == (5.0 + 25.0 + 0.3) / 15.0 and over < cal
     assert predicted_ratios(nbytes.get, flops.get, 1, bw, peak, v1)[2] == 1.0
     assert predicted_ratios(nbytes.get, flops.get, 4, bw, peak, 8.0)[2] == (25.0 + 0.3) / 8.0  # no negative fixed
+
+
+def test_kernel_rate_of_a_quantized_model_only(tmp_path):
+    """measure_kernel_rate times one of the model's own quantized FFN linears (a MoE layer's first expert) on 8 rows
+    against 1; a model whose linears are not quantized has no such kernel (None: the matmul peak is used)."""
+    import torch
+    from tiny_moe import write_moe_hf
+
+    from specdec.bench.roofline import measure_kernel_rate
+    from specdec.models.transformer import Transformer
+    from specdec.weights import read_model
+
+    folder, _, _ = write_moe_hf("qwen3_moe", tmp_path / "m", seed=3, hidden_size=1024,
+                                moe_intermediate_size=1024)  # an expert of 2 x 2 MB: the kernel, not the call
+    lm = read_model(folder)
+    assert measure_kernel_rate(Transformer(lm.args, lm.weights, torch.float32, "none", max_len=16)) is None
+    quantized = Transformer(lm.args, lm.weights, torch.float32, "int8", max_len=16)
+    assert quantized.layers[-1].moe.experts[0][0].native
+    rate = measure_kernel_rate(quantized)
+    assert rate is not None and 1e8 < rate < 1e14  # FLOP/s: a real timing, not a placeholder

@@ -53,6 +53,7 @@ def measure(path: str, a) -> dict:
     kvt = rl.kv_bytes_per_token(model.args, torch.empty((), dtype=model.dtype).element_size())
     stream = rl.measure_bandwidth(model.device, 512 * 2**20, repeats=5, kinds=("read",))["read"]
     flops_peak = rl.measure_matmul(model.dtype, model.device, 1024, repeats=3)
+    kernel_rate = rl.measure_kernel_rate(model)  # the quantized kernel's marginal FLOP/s: what extra rows cost
     # plain decode: successive T = 1 forwards, last logits, argmax (as plain greedy decoding runs them)
     decode_s = rl.draft_cost(model, a.context, n_tokens=a.n, repeats=a.repeats, warmup=1)
     costs = rl.forward_costs(model, a.context, TS, exact=True, repeats=a.repeats, warmup=2)
@@ -61,13 +62,15 @@ def measure(path: str, a) -> dict:
            "weight_format": model.weight_format, "quant": model.quant, "dtype": str(model.dtype).removeprefix("torch."),
            "active_weight_bytes": wb, "kv_bytes_per_token": kvt, "context": a.context,
            "stream_read_gb_s": stream, "matmul_gflop_s": flops_peak / 1e9,
+           "kernel_gflop_s": kernel_rate / 1e9 if kernel_rate else None,
            "decode_ms_per_token": decode_s * 1e3, "decode_gb_s_active": decode_bytes / decode_s / 1e9,
            "decode_share_of_stream": decode_bytes / decode_s / 1e9 / stream,
            "forward_ms": {str(t): costs[t] * 1e3 for t in TS}, "ratio_measured": {str(t): costs[t] / costs[1]
                                                                                  for t in TS}}
     if layout is not None:
         distinct = rl.measured_distinct_experts(model, a.context, TS)
-        moe = rl.moe_report(model.args, layout, kvt, a.context, costs, distinct, stream * 1e9, flops_peak)
+        moe = rl.moe_report(model.args, layout, kvt, a.context, costs, distinct, stream * 1e9,
+                            kernel_rate or flops_peak)
         row["moe"] = moe
         row["prediction_error"] = {  # predicted / measured - 1, per T
             key: {str(c["t"]): c[key] / c["measured_ratio"] - 1 for c in moe["curve"]}

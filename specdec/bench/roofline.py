@@ -111,6 +111,29 @@ def measure_matmul(dtype: torch.dtype = torch.float32, device: torch.device | st
     return 2.0 * n**3 / statistics.median(times)
 
 
+def measure_kernel_rate(model, t: int = 8, repeats: int = 9) -> float | None:
+    """The marginal FLOP/s of the kernel a quantized model's matmuls run: one of its own FFN linears (a MoE layer's
+    first expert, else a dense layer's gate-up), cache-resident, timed on t rows and on 1 row; 2 (t - 1) N K FLOPs
+    over the time difference. This, not a dense bf16 GEMM's peak, is what each row a verification adds costs where
+    the weights are read anyway (the int8 / int4 kernels run far below the AMX GEMM peak). None for a model whose
+    linears are not quantized."""
+    layer = next((layer for layer in model.layers if layer.moe is not None), model.layers[0])
+    lin = layer.moe.experts[0][0] if layer.moe is not None else getattr(layer, "w13", None)
+    if lin is None or not getattr(lin, "native", False):
+        return None
+    g = torch.Generator(device="cpu").manual_seed(0)
+    k = model.args.dim  # a gate-up projection reads the hidden state
+    xs = {n: torch.randn(1, n, k, generator=g).to(model.device, model.dtype) for n in (1, t)}
+    med = {}
+    for n, x in xs.items():
+        for _ in range(3):  # warm: the weights into cache
+            lin(x)
+        calls = lambda x=x: [lin(x) for _ in range(10)]  # noqa: E731  (10 calls a timing: one is ~100 us)
+        med[n] = statistics.median(_time(calls, model.device) for _ in range(repeats)) / 10
+    extra = med[t] - med[1]
+    return 2.0 * (t - 1) * lin.out_features * k / extra if extra > 0 else None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # model costs
 
@@ -369,6 +392,7 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
     mm_n = 256 if quick else 2048
     progress(f"matmul {mm_n}x{mm_n} @ {mm_n}x{mm_n} in {_dtype_name(model.dtype)} ...")
     flops_peak = measure_matmul(model.dtype, dev, mm_n, repeats=3 if quick else 5)
+    kernel_rate = measure_kernel_rate(model, repeats=3 if quick else 9)  # what a verify's extra rows cost
     progress(f"target forwards over T = {', '.join(map(str, ts))} new tokens after {context} cached ...")
     costs = forward_costs(model, context, ts, exact=True, repeats=repeats, warmup=warmup, progress=progress)
     c_draft = None
@@ -412,7 +436,7 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
     if layout is not None:
         progress("mixture of experts: distinct experts each layer runs in one forward over T random tokens ...")
         distinct = measured_distinct_experts(model, context, ts)
-        moe = moe_report(model.args, layout, kvt, context, costs, distinct, read_bw, flops_peak)
+        moe = moe_report(model.args, layout, kvt, context, costs, distinct, read_bw, kernel_rate or flops_peak)
     report = {
         "machine": machine,
         "model": {"path": str(target.path), "name": _model_name(target), "file_type": target.file_type,
@@ -425,7 +449,8 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
                                                    "seconds_per_token": draft_s, "c": c_draft},
         "peaks": {"bandwidth_gb_s": {k: bw[k] for k in ("copy", "triad", "read")},
                   "bandwidth_array_bytes": bw["array_bytes"], "read_gb_s_at_weight_size": bw_model,
-                  "matmul_gflop_s": flops_peak / 1e9, "matmul_n": mm_n, "matmul_dtype": _dtype_name(model.dtype),
+                  "matmul_gflop_s": flops_peak / 1e9, "kernel_gflop_s": kernel_rate / 1e9 if kernel_rate else None,
+                  "matmul_n": mm_n, "matmul_dtype": _dtype_name(model.dtype),
                   "ridge_flop_per_byte": ridge},
         "forward": rows,
         "phases": phases,
@@ -441,7 +466,8 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
 
 def predicted_ratios(bytes_of: Callable[[int], float], flops_of: Callable[[int], float], t: int, read_bw: float,
                      flops_peak: float, v1: float) -> tuple[float, float, float]:
-    """Three predictions of v(t) / v(1) from bytes and FLOPs per forward:
+    """Three predictions of v(t) / v(1) from bytes and FLOPs per forward (`flops_peak`: the rate FLOPs run at; for
+    a quantized model the kernel's marginal rate, measure_kernel_rate, as its extra rows are what grows with t):
     - roofline: max(bytes / read bandwidth, FLOPs / matmul peak) at t over the same at 1;
     - calibrated: the T = 1 forward's measured time v1 spread over its bytes (the achieved decode GB/s, per-op
       overheads included), so t tokens take bytes(t) at that rate plus their extra FLOPs at the matmul peak:
@@ -518,6 +544,9 @@ def print_report(r: dict) -> None:
           f"weights: {p['read_gb_s_at_weight_size']:.1f} GB/s")
     print(f"matmul {p['matmul_n']}^3 in {p['matmul_dtype']}: {p['matmul_gflop_s']:.1f} GFLOP/s; "
           f"ridge point {p['ridge_flop_per_byte']:.1f} FLOP/byte (peak FLOP/s / read GB/s)")
+    if p.get("kernel_gflop_s"):
+        print(f"quantized matmul kernel: {p['kernel_gflop_s']:.1f} GFLOP/s for each row beyond the first (an FFN "
+              "linear of the model, cache-resident): the rate of a verification's extra rows")
     print(f"\ntarget forward over T new tokens after {r['settings']['context']} cached (exact verification, "
           f"medians of {r['settings']['repeats']}):")
     print("| T | ms per forward | ratio to T=1 | bandwidth floor ms | achieved GB/s | achieved GFLOP/s | "
@@ -562,7 +591,8 @@ def print_moe(moe: dict) -> None:
     print("verifying T tokens reads the union of their experts: E (1 - (1 - k/E)^T) per layer under uniform "
           "independent routing (measured: random tokens through this model's routers). v(T)/v(1), measured vs "
           "predicted for this model and for a dense model of the same active bytes (roofline: max of the floors; "
-          "calibrated: bytes at the T=1 forward's achieved GB/s + extra FLOPs at the matmul peak; overhead: the "
+          "calibrated: bytes at the T=1 forward's achieved GB/s + extra FLOPs at the matmul kernel's rate (the "
+          "quantized kernel's marginal rate where there is one, else the matmul peak); overhead: the "
           "T=1 forward's time beyond its bytes at STREAM read is fixed, bytes stream at STREAM read):")
     print("| T | experts/layer expected | measured | MB read | v(T)/v(1) measured | MoE calibrated | MoE calibrated, "
           "measured routing | MoE overhead | MoE roofline | dense calibrated | dense roofline |")
