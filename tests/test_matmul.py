@@ -189,3 +189,32 @@ def test_heads_in_one_call_equal_each_head_alone(cls, dtype):
             assert torch.equal(y[h], lin.apply(x[h])), (T, h)
             for t in range(T):  # and each row alone
                 assert torch.equal(y[h, t:t + 1], kernels.matmul_heads(x[:, t:t + 1], lin.bits, ptrs, n)[h])
+
+
+@pytest.mark.skipif(not kernels.set_amx(True), reason="no AMX on this CPU / build / OS")
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_amx_rows_are_the_vnni_rows(cls, dtype):
+    """The AMX path (tiles of up to 16 rows: verification, batches, prefill) gives bitwise the outputs of the VNNI
+    path, for every T (across tile boundaries), fused norm / SwiGLU / residual included; and T = 1 is VNNI's."""
+    from specdec.models.transformer import RMSNorm
+
+    k, n = 576, 1536
+    lin = cls(weights(2 * n, k, seed=21), None)
+    norm = RMSNorm(1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(22)), 1e-5, dtype)
+    x = (torch.randn(37, k, generator=torch.Generator().manual_seed(23)) * 2).to(dtype)
+    r = torch.randn(37, 2 * n, generator=torch.Generator().manual_seed(24)).to(dtype)
+    runs = {}
+    try:
+        for on in (False, True):
+            assert kernels.set_amx(on) == on
+            runs[on] = [(lin(x[:T]), lin.apply(x[:T], norm=norm, swiglu=True), lin.apply(x[:T], residual=r[:T]))
+                        for T in (1, 2, 5, 16, 17, 37)]
+    finally:
+        kernels.set_amx(True)
+    for amx, vnni in zip(runs[True], runs[False], strict=True):
+        for a, v in zip(amx, vnni, strict=True):
+            assert torch.equal(a, v)
+    whole = runs[True][-1][0]  # and each row alone (VNNI) is its row of 37 (AMX)
+    for t in (0, 15, 16, 36):
+        assert torch.equal(lin(x[t:t + 1]), whole[t:t + 1])

@@ -210,7 +210,17 @@ def matmul_lib() -> ctypes.CDLL | None:
     dll.specdec_matmul_heads.argtypes = [ptr, i, i, i, i, i, ptr, ptr, ptr, ptr, i]
     dll.specdec_experts.restype = ctypes.c_int
     dll.specdec_experts.argtypes = [ptr, i, i, i, ptr, i, i, i, i, ptr, ptr, ptr, i]
+    dll.specdec_matmul_amx.restype = i
+    dll.specdec_matmul_amx.argtypes = [i]
+    dll.specdec_matmul_amx(int(os.environ.get("SPECDEC_AMX", "1") != "0"))  # SPECDEC_AMX=0: VNNI only
     return dll
+
+
+def set_amx(on: bool) -> bool:
+    """Use Intel AMX tiles for the quantized matmuls' multi-row passes (on where the CPU, the compiler and the OS
+    allow it, unless SPECDEC_AMX=0); returns whether AMX is now used. Rows are bitwise the same either way."""
+    dll = matmul_lib()
+    return dll is not None and bool(dll.specdec_matmul_amx(int(on)))
 
 
 @functools.cache

@@ -44,6 +44,14 @@
 #else
 #define HAVE_VNNI 0
 #endif
+#if HAVE_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
 
 #define GROUP 32
 #define LANES 16
@@ -57,6 +65,54 @@
 #endif
 
 int specdec_matmul_supported(void) { return HAVE_VNNI; }
+
+/* AMX (Intel Advanced Matrix Extensions): one TDPBSUD instruction computes a 16-row x 16-output tile of a group's
+   integer dot products, the work of 16 x 8 VPDPBUSD instructions. Used for every pass over 2 or more activation rows
+   (verification, batches, prefill) where the CPU has it and the kernel asks the OS for the tile state (Linux's
+   ARCH_REQ_XCOMP_PERM); the float rescaling after it is the VNNI path's, instruction for instruction, and the integer
+   dot products are exact in both, so a row's output is bitwise the same on either path (batch invariance holds
+   across them: a decode step of one row takes the VNNI path). */
+static int amx_on = 0;
+
+#if HAVE_AMX
+#define AMX_ROWS 16
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+static __thread int amx_rows = 0; /* rows of the tile configuration this thread last loaded (0: load it again) */
+
+/* Tiles: 0-3 = C (int32 [nt, 16]) of four consecutive groups, 4-5 = A (activation codes, s8 [nt, 32]), 6-7 = B
+   (weight codes, u8 [8, 64]: the VNNI layout of a block and group is already AMX's packed B layout, four inputs of
+   each of 16 outputs per row). Tiles are not renamed: four groups in flight let their loads and products overlap. */
+static inline void amx_configure(int nt) {
+    if (amx_rows == nt) return;
+    tile_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) cfg.rows[t] = nt, cfg.colsb[t] = 64;
+    for (int t = 4; t < 6; t++) cfg.rows[t] = nt, cfg.colsb[t] = GROUP;
+    for (int t = 6; t < 8; t++) cfg.rows[t] = GROUP / 4, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    amx_rows = nt;
+}
+#endif
+
+/* Turn the AMX path on (1) or off (0); returns whether it is on: 0 when the CPU, the build or the OS has no AMX. */
+int specdec_matmul_amx(int on) {
+#if HAVE_AMX
+    if (on) {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return amx_on = 0;
+        if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */)) return amx_on = 0;
+    }
+    return amx_on = on != 0;
+#else
+    (void)on;
+    return amx_on = 0;
+#endif
+}
 
 #if HAVE_VNNI
 
@@ -195,12 +251,130 @@ static inline void block_int8(const uint8_t *w, const uint16_t *s, int G, const 
         _mm512_storeu_ps(acc_out + r * LANES, _mm512_mul_ps(_mm512_sub_ps(y[r], _mm512_set1_ps(c[t0 + r])), sr));
 }
 
+#if HAVE_AMX
+/* The [nt, 16] integer dot products of m <= 4 consecutive groups into c [4][AMX_ROWS * 16]: qx at the first
+   group's codes of row t0 (row stride K), b the groups' weight codes (512 bytes each, VNNI layout, stride bstep). */
+static inline void amx_groups(const int8_t *qx, int K, const uint8_t *b, long bstep, int m, int32_t *c) {
+    _tile_zero(0);
+    _tile_loadd(4, qx, K);
+    _tile_loadd(6, b, 64);
+    _tile_dpbsud(0, 4, 6);
+    if (m > 1) {
+        _tile_zero(1);
+        _tile_loadd(5, qx + GROUP, K);
+        _tile_loadd(7, b + bstep, 64);
+        _tile_dpbsud(1, 5, 7);
+    }
+    if (m > 2) {
+        _tile_zero(2);
+        _tile_loadd(4, qx + 2 * GROUP, K);
+        _tile_loadd(6, b + 2 * bstep, 64);
+        _tile_dpbsud(2, 4, 6);
+    }
+    if (m > 3) {
+        _tile_zero(3);
+        _tile_loadd(5, qx + 3 * GROUP, K);
+        _tile_loadd(7, b + 3 * bstep, 64);
+        _tile_dpbsud(3, 5, 7);
+    }
+    _tile_stored(0, c, 64);
+    if (m > 1) _tile_stored(1, c + AMX_ROWS * LANES, 64);
+    if (m > 2) _tile_stored(2, c + 2 * AMX_ROWS * LANES, 64);
+    if (m > 3) _tile_stored(3, c + 3 * AMX_ROWS * LANES, 64);
+}
+
+/* block_int4 for up to AMX_ROWS rows, the dot products from the tiles: the same float operations per row and group,
+   in the same order. */
+static void block_int4_amx(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
+                           const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
+    __m512 y[AMX_ROWS], ym[AMX_ROWS];
+    int32_t c[4 * AMX_ROWS * LANES] __attribute__((aligned(64)));
+    uint8_t u[4 * 512] __attribute__((aligned(64)));
+    for (int r = 0; r < AMX_ROWS; r++) y[r] = ym[r] = _mm512_setzero_ps();
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    amx_configure(nt);
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        int m = G - g0 < 4 ? G - g0 : 4;
+        for (int j = 0; j < m; j++) { /* the nibbles unpacked to bytes: 8 rows of 64 per group */
+            const uint8_t *wg = w + (long)(g0 + j) * 256;
+#if PREFETCH
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wg + PREFETCH + 64 * i), _MM_HINT_T0);
+#endif
+            for (int i = 0; i < 4; i++) {
+                __m512i p = _mm512_loadu_si512((const void *)(wg + 64 * i));
+                _mm512_store_si512((void *)(u + 512 * j + 128 * i), _mm512_and_si512(p, lo));
+                _mm512_store_si512((void *)(u + 512 * j + 128 * i + 64), _mm512_and_si512(_mm512_srli_epi16(p, 4), lo));
+            }
+        }
+        amx_groups(qx + (long)t0 * K + (long)g0 * GROUP, K, u, 512, m, c);
+        for (int j = 0; j < m; j++) {
+            int g = g0 + j;
+            __m512 sg = load_bf16x16(s + (long)g * LANES);
+            __m512 mg = z ? _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES))
+                          : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
+            for (int r = 0; r < nt; r++) {
+                __m512i a = _mm512_load_si512((const void *)(c + (j * AMX_ROWS + r) * LANES));
+                long gi = (long)(t0 + r) * G + g;
+                y[r] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(d[gi])), _mm512_cvtepi32_ps(a), y[r]);
+                ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[gi]), ym[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
+}
+
+static void block_int8_amx(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
+                           const float *cr, int K, int t0, int nt, float *acc_out) {
+    __m512 y[AMX_ROWS];
+    int32_t c[4 * AMX_ROWS * LANES] __attribute__((aligned(64)));
+    for (int r = 0; r < AMX_ROWS; r++) y[r] = _mm512_setzero_ps();
+    amx_configure(nt);
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        int m = G - g0 < 4 ? G - g0 : 4;
+        const uint8_t *wg = w + (long)g0 * 512;
+#if PREFETCH
+        for (int i = 0; i < 32; i++) _mm_prefetch((const char *)(wg + 2 * PREFETCH + 64 * i), _MM_HINT_T0);
+#endif
+        amx_groups(qx + (long)t0 * K + (long)g0 * GROUP, K, wg, 512, m, c);
+        for (int j = 0; j < m; j++)
+            for (int r = 0; r < nt; r++) {
+                __m512i a = _mm512_load_si512((const void *)(c + (j * AMX_ROWS + r) * LANES));
+                y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(d[(long)(t0 + r) * G + g0 + j]), y[r]);
+            }
+    }
+    __m512 sr = load_bf16x16(s);
+    for (int r = 0; r < nt; r++)
+        _mm512_storeu_ps(acc_out + r * LANES, _mm512_mul_ps(_mm512_sub_ps(y[r], _mm512_set1_ps(cr[t0 + r])), sr));
+}
+#endif
+
+#if HAVE_AMX /* another library (oneDNN under PyTorch) may have loaded its own tile configuration since */
+#define AMX_FRESH amx_rows = 0
+#else
+#define AMX_FRESH (void)0
+#endif
+
 /* One block of 16 weight rows, all T rows of x: acc [T, 16]. */
 static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, int bits, int G, long b,
                       const int8_t *qx, const float *d, const float *ds, const float *c, int K, int T, float *acc) {
     long wblock = (long)G * (bits == 4 ? 256 : 512); /* bytes of codes per block of 16 rows */
+#if HAVE_AMX
+    int t_amx = 0; /* rows done on full 16-row tiles; the rest below on VNNI (fewer rows gain nothing from tiles: a
+                      3072 x 576 int4 product at T = 2 took 41 us on tiles, 23 us on VNNI; at 16 rows 83 against 108;
+                      docs/results/amx-matmul.txt) */
+    if (amx_on)
+        for (; t_amx + AMX_ROWS <= T; t_amx += AMX_ROWS) {
+            if (bits == 4)
+                block_int4_amx(w + b * wblock, s + b * G * LANES, z ? z + b * G * LANES : NULL, G, qx, d, ds, K,
+                               t_amx, AMX_ROWS, acc + t_amx * LANES);
+            else
+                block_int8_amx(w + b * wblock, s + b * LANES, G, qx, d, c, K, t_amx, AMX_ROWS, acc + t_amx * LANES);
+        }
+#else
+    int t_amx = 0;
+#endif
     int rows = bits == 4 ? ROWS4 : ROWS8;
-    for (int t0 = 0; t0 < T; t0 += rows) {
+    for (int t0 = t_amx; t0 < T; t0 += rows) {
         int nt = T - t0 < rows ? T - t0 : rows;
         if (bits == 4)
             block_int4(w + b * wblock, s + b * G * LANES, z ? z + b * G * LANES : NULL, G, qx, d, ds, K, t0, nt,
@@ -244,6 +418,7 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
     if (quantized_input(x, bf16, T, K, norm, eps, &qx, &d, &ds, &c)) return -1;
     int failed = 0;
     _Pragma("omp parallel reduction(| : failed)") {
+        AMX_FRESH;
         float *acc = malloc(sizeof(float) * (size_t)T * LANES * 2);
         if (!acc) failed = 1;
         _Pragma("omp for schedule(static)") for (int b = 0; b < (swiglu ? blocks / 2 : blocks); b++) {
@@ -284,6 +459,7 @@ int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, co
     if (quantized_input(x, bf16, H * T, K, NULL, 0.0f, &qx, &d, &ds, &c)) return -1;
     int failed = 0;
     _Pragma("omp parallel reduction(| : failed)") {
+        AMX_FRESH;
         float *acc = malloc(sizeof(float) * (size_t)T * LANES);
         if (!acc) failed = 1;
         _Pragma("omp for schedule(static)") for (long i = 0; i < (long)H * blocks; i++) {
@@ -355,6 +531,7 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
     free(qx), free(d), free(ds), free(c);
     int half = I / LANES; /* blocks of the gate half (the up half's block b + half pairs with gate block b) */
     _Pragma("omp parallel reduction(| : failed)") {
+        AMX_FRESH;
         int most = 0;
         for (int u = 0; u < nused; u++)
             most = first[used[u] + 1] - first[used[u]] > most ? first[used[u] + 1] - first[used[u]] : most;
@@ -381,6 +558,7 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
     int blocks2 = D / LANES;
     if (!failed) {
         _Pragma("omp parallel reduction(| : failed)") {
+        AMX_FRESH;
             int most = 0;
             for (int u = 0; u < nused; u++)
                 most = first[used[u] + 1] - first[used[u]] > most ? first[used[u] + 1] - first[used[u]] : most;
