@@ -196,13 +196,12 @@ static inline __m512i group_dot(const __m512i u[8], const int8_t *q) {
     return _mm512_add_epi32(a0, a1);
 }
 
-/* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS4. The scale term and then the minimum term of
-   each group are added into one accumulator per row (the AMX path does the same; two accumulators per row spilled
-   registers there at 16 rows). */
+/* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS4. The scale and minimum terms accumulate
+   apart (y, ym), so each row's dependency chain is one FMA per group. */
 static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
                               const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
-    __m512 y[ROWS4];
-    for (int r = 0; r < ROWS4; r++) y[r] = _mm512_setzero_ps();
+    __m512 y[ROWS4], ym[ROWS4];
+    for (int r = 0; r < ROWS4; r++) y[r] = ym[r] = _mm512_setzero_ps();
     const __m512i lo = _mm512_set1_epi8(0x0F);
     for (int g = 0; g < G; g++) {
         const uint8_t *wg = w + (long)g * 256;
@@ -225,10 +224,10 @@ static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_
             __m512i a = group_dot(u, qx + (long)(t0 + r) * K + (long)g * GROUP);
             long gi = (long)(t0 + r) * G + g;
             y[r] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(d[gi])), _mm512_cvtepi32_ps(a), y[r]);
-            y[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[gi]), y[r]);
+            ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[gi]), ym[r]);
         }
     }
-    for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, y[r]);
+    for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
 }
 
 static inline void block_int8(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
@@ -288,10 +287,10 @@ static inline void amx_groups(const int8_t *qx, int K, const uint8_t *b, long bs
    in the same order. */
 static void block_int4_amx(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
                            const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
-    __m512 y[AMX_ROWS]; /* one accumulator a row, as block_int4 (two spilled registers at 16 rows) */
+    __m512 y[AMX_ROWS], ym[AMX_ROWS];
     int32_t c[4 * AMX_ROWS * LANES] __attribute__((aligned(64)));
     uint8_t u[4 * 512] __attribute__((aligned(64)));
-    for (int r = 0; r < AMX_ROWS; r++) y[r] = _mm512_setzero_ps();
+    for (int r = 0; r < AMX_ROWS; r++) y[r] = ym[r] = _mm512_setzero_ps();
     const __m512i lo = _mm512_set1_epi8(0x0F);
     amx_configure(nt);
     for (int g0 = 0; g0 < G; g0 += 4) {
@@ -317,11 +316,11 @@ static void block_int4_amx(const uint8_t *w, const uint16_t *s, const uint16_t *
                 __m512i a = _mm512_load_si512((const void *)(c + (j * AMX_ROWS + r) * LANES));
                 long gi = (long)(t0 + r) * G + g;
                 y[r] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(d[gi])), _mm512_cvtepi32_ps(a), y[r]);
-                y[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[gi]), y[r]);
+                ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[gi]), ym[r]);
             }
         }
     }
-    for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, y[r]);
+    for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
 }
 
 static void block_int8_amx(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
