@@ -263,16 +263,20 @@ def load_model(args, which: str = "model", target=None):
     return load_args(args, which, target)
 
 
-def spec_config(args, target=None):
+def spec_config(args, target=None, params=None):
     """(SpecConfig, resolved MTP drafter or None) from the speculation flags. Without --spec: draft with -md, else
     auto (suffix and n-gram lookup, plus the model's MTP modules or shipped heads, chosen step by step).
-    --draft-max may list several values (bench): the first one is used here."""
-    from .spec import SpecConfig, resolve_mtp
+    --draft-max may list several values (bench): the first one is used here. params: the one sampling setting this
+    process generates with (`specdec generate`), under which auto's memory may say its shipped heads lose: they are
+    then not loaded (spec.auto_mtp)."""
+    from .spec import SpecConfig, auto_mtp, resolve_mtp
     from .spec.config import draft_length, parse_tree
 
     mtp = None
     kind = args.spec or ("draft" if args.model_draft else "auto")
-    if kind in ("mtp", "auto") and target is not None:
+    if kind == "auto" and target is not None and params is not None:
+        mtp = auto_mtp(target, params, args.heads)
+    elif kind in ("mtp", "auto") and target is not None:
         mtp = resolve_mtp(target, args.heads) or ()  # () : resolved, none there
     if kind == "draft" and not args.model_draft:
         raise ValueError("--spec draft needs a draft model: give -md DRAFT")
@@ -347,7 +351,7 @@ def cmd_generate(args) -> int:
         raise ValueError("-n must be > 0")
     spec_config(args)  # flags are checked before the (slow) load
     target = load_model(args)
-    spec, mtp = spec_config(args, target)
+    spec, mtp = spec_config(args, target, params)
     kind = spec.kind
     draft = load_model(args, "model_draft", target) if kind == "draft" else None
     from .spec import build_proposer

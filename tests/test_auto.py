@@ -341,3 +341,38 @@ def test_memory_identity_follows_the_model_file(tmp_path):
     os.utime(f, ns=(1, 1))
     assert _identity(target, None, None) != a
     assert _identity(SimpleNamespace(path=None), None, None) is None
+
+
+def test_heads_that_keep_losing_are_not_loaded(smollm2_default, monkeypatch, tmp_path):
+    """When auto's memory says the shipped heads lost their last probes in this regime (probe gap at its cap), a
+    new `specdec generate` leaves them unloaded (no features in the forward, no probes) in 7 processes of 8 and
+    loads them in the 8th, so that they can show they pay; heads whose probes pay now and then, another regime
+    (no memory) and heads asked for by name are loaded."""
+    import json
+
+    import specdec.spec.auto as auto_mod
+    from specdec.sampling import SamplingParams
+    from specdec.spec import _identity, auto_mtp, regime, resolve_mtp
+    from specdec.weights.heads import find_heads
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    target = smollm2_default
+    path = find_heads(target)
+    assert path is not None
+    params = SamplingParams(temperature=0.8)
+    ident = _identity(target, (None, None, None, f"shipped {path.name}"), None)
+    assert ident == _identity(target, resolve_mtp(target), None)  # the key the auto proposer writes its memory under
+    memory = auto_mod.memory_file(ident, ("suffix", "ngram", "mtp"), regime(params))
+    memory.parent.mkdir(parents=True)
+
+    def remember(gap: int) -> None:
+        memory.write_text(json.dumps({"version": 1, "policies": {"mtp": {"probe_gap": gap}}}))
+
+    assert auto_mtp(target, params)  # no memory yet
+    remember(auto_mod.COSTLY_PROBE_MAX)
+    loaded = [bool(auto_mtp(target, params)) for _ in range(2 * auto_mod.RETIRE_FOR)]
+    assert loaded == ([False] * (auto_mod.RETIRE_FOR - 1) + [True]) * 2
+    assert auto_mtp(target, SamplingParams(temperature=0.0))  # greedy: nothing remembered
+    assert auto_mtp(target, params, heads=str(path))
+    remember(64)
+    assert auto_mtp(target, params)

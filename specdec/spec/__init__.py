@@ -29,6 +29,25 @@ def resolve_mtp(target, heads: str | None = None, kind: str | None = None):
     return None
 
 
+def auto_mtp(target, params: SamplingParams, heads: str | None = None):
+    """resolve_mtp() for `--spec auto` in a process that generates with `params` (the CLI): () without loading them
+    when the model's shipped heads lost their last probes in this sampling regime (auto.heads_retired)."""
+    from ..weights.heads import find_heads
+    from .auto import heads_retired
+
+    if not heads and not getattr(target, "mtp", None):
+        path = find_heads(target)
+        if path is not None and heads_retired(_identity(target, (None, None, None, f"shipped {path.name}"), None),
+                                              ("suffix", "ngram", "mtp"), regime(params)):
+            return ()
+    return resolve_mtp(target, heads) or ()
+
+
+def regime(params: SamplingParams) -> str:
+    """The sampling regime auto keeps what it learned under (acceptance differs with the temperature)."""
+    return "greedy" if params.greedy else f"temp {params.temperature:g}"
+
+
 def _identity(target, mtp, draft) -> str | None:
     """What auto's on-disk memory is keyed by: the target's file (path, sizes and modification times, as the layout
     cache first compares them: a folder's files each), the heads' source and the draft model's; None for a model
@@ -87,7 +106,7 @@ def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None,
                                               argmax_drafts, draft)
         k_max = 8 if spec.draft_max == "auto" else int(spec.draft_max)
         return AutoProposer(sources, k_max, spec.draft_min, learned=getattr(target, "model", target),
-                            regime="greedy" if params.greedy else f"temp {params.temperature:g}",
+                            regime=regime(params),
                             memory=_identity(target, mtp, draft))
     if spec.kind == "draft":
         from .draft_model import DraftModelProposer, check_vocab
@@ -112,4 +131,4 @@ def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None,
     raise ModelError(f"unknown --spec '{spec.kind}': use {', '.join(SPEC_KINDS)}")
 
 
-__all__ = ["Draft", "Proposer", "SPEC_KINDS", "SpecConfig", "build_proposer", "resolve_mtp"]
+__all__ = ["Draft", "Proposer", "SPEC_KINDS", "SpecConfig", "auto_mtp", "build_proposer", "resolve_mtp"]

@@ -44,6 +44,8 @@ from .costmodel import speedup
 # model -> {source names -> the policies of the latest generation that began}; weak: a freed model takes its state
 _LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 QUIET_AFTER, CONSULT_EVERY = 16, 4  # steps in a row with no draft before the sources rest; then consulted 1 step in 4
+COSTLY_PROBE_MAX = 256  # the longest probe gap of a costly source (heads, a draft model): after 3 lost probes
+RETIRE_FOR = 8  # of that many processes whose memory says the heads lose, one loads them (and probes them) again
 # file on disk -> the policies to write there at exit (the latest generation's of that model, sources and regime)
 _ON_DISK: dict[Path, dict] = {}
 _KEPT = ("acc", "seen", "by_class", "draft_s_per_token", "probe_gap")  # what a policy carries to the next process
@@ -84,6 +86,28 @@ def _read(path: Path, policies: dict) -> bool:
     return True
 
 
+def heads_retired(identity: str | None, sources, regime: str) -> bool:
+    """Whether a new process should leave the MTP heads unloaded (no features in the target's forward, no probes):
+    auto's memory for these sources (names, "mtp" among them) and regime says the heads lost their last probes (the
+    probe gap at its cap). A source that keeps losing then costs nothing, loading included; one process in
+    RETIRE_FOR loads them again so that they can show they pay (the count is kept in the same file)."""
+    path = memory_file(identity, sources, regime) if identity else None
+    if path is None:
+        return False
+    try:
+        state = json.loads(path.read_text())
+        if int(state["policies"]["mtp"]["probe_gap"]) < COSTLY_PROBE_MAX:
+            return False
+        skipped = (int(state.get("skipped", 0)) + 1) % RETIRE_FOR
+        state["skipped"] = skipped
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return skipped != 0
+
+
 @atexit.register
 def write_memory() -> None:
     """Write every model's latest learned policies (atomically; a cache that cannot be written is skipped)."""
@@ -117,7 +141,8 @@ class AutoProposer:
         # SmolLM2: 0.8 ms a token against a 2.7 ms forward, docs/results/default-vs-plain.txt's step log), so that
         # a short generation does not pay for its first drafts on the prior alone
         self.policies = {name: AutoDraftLength(k_max, draft_min) if getattr(src, "costless", False) else
-                         AutoDraftLength(k_max, draft_min, prior_acceptance=0.3, probe_every=32, prior_cost=0.3)
+                         AutoDraftLength(k_max, draft_min, prior_acceptance=0.3, probe_every=32, prior_cost=0.3,
+                                         probe_max=COSTLY_PROBE_MAX)
                          for name, src in sources.items()}
         shared: dict[int, float] = {}
         for pol in self.policies.values():  # one measured v(T) for all sources: the same target forward
