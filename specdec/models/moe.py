@@ -62,7 +62,7 @@ class MoE:
     def __init__(self, args: ModelArgs, src, prefix: str, dtype: torch.dtype, quant: str, device: torch.device,
                  norm):
         self.args, self.dtype, self.norm = args, dtype, norm
-        self.last_distinct = 0  # distinct experts the last call ran (bench/roofline.py's routing measurement)
+        self.last_ids: torch.Tensor | None = None  # the last call's chosen experts [R, k] (last_distinct)
 
         def linear(key: str, names: tuple[str, ...]) -> Linear:
             full = [prefix + n for n in names]
@@ -118,19 +118,17 @@ class MoE:
         h = self.norm(x).reshape(-1, shape[-1])  # [R, dim]
         weights, ids = route(self.router_logits(h, exact), self.args, self.bias)  # [R, k] each
         R, k = ids.shape
+        self.last_ids = ids
         if self.tables is not None and h.dtype in kernels.DTYPES:  # one call: grouped, each row as if alone
             out = kernels.experts(h, ids, *self.tables)
-            self.last_distinct = len(set(ids.flatten().tolist()))
             return self._combine(x, h, [out[:, j] for j in range(k)], weights.to(h.dtype))
         if R == 1:  # a decode step: its k experts in top-k order, no grouping (the same operations, so the same bits)
             chosen = ids[0].tolist()
-            self.last_distinct = len(set(chosen))
             outs = [self.experts[e][1](self.experts[e][0].apply(h, swiglu=True)) for e in chosen]
             return self._combine(x, h, outs, weights.to(h.dtype))
         flat = ids.flatten()  # [R k]: slot j of row r at r k + j
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.args.n_experts).tolist()
-        self.last_distinct = sum(1 for n in counts if n)
         out = h.new_empty(R * k, shape[-1])  # [R k, dim] each slot's expert output
         at = 0
         for e, n in enumerate(counts):  # only the experts some row chose
@@ -142,6 +140,12 @@ class MoE:
             out[slots] = w2(w13.apply(h[slots // k], swiglu=True))
         out = out.view(R, k, -1)
         return self._combine(x, h, [out[:, j] for j in range(k)], weights.to(h.dtype))
+
+    @property
+    def last_distinct(self) -> int:
+        """Distinct experts the last call ran (bench/roofline.py's routing measurement), counted when asked: not in
+        the decode loop."""
+        return 0 if self.last_ids is None else len(set(self.last_ids.flatten().tolist()))
 
     def _combine(self, x: torch.Tensor, h: torch.Tensor, outs: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
         """x + the rows' k expert outputs outs[j] [R, dim] weighted by w [R, k], summed in each row's own top-k

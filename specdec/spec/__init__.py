@@ -29,6 +29,9 @@ def resolve_mtp(target, heads: str | None = None, kind: str | None = None):
     return None
 
 
+AUTO_LOOKUPS = ("suffix", "ngram")  # the sources --spec auto always has, first (auto's memory is keyed by the names)
+
+
 def auto_mtp(target, params: SamplingParams, heads: str | None = None):
     """resolve_mtp() for `--spec auto` in a process that generates with `params` (the CLI): () without loading them
     when the model's shipped heads lost their last probes in this sampling regime (auto.heads_retired)."""
@@ -38,7 +41,7 @@ def auto_mtp(target, params: SamplingParams, heads: str | None = None):
     if not heads and not getattr(target, "mtp", None):
         path = find_heads(target)
         if path is not None and heads_retired(_identity(target, (None, None, None, f"shipped {path.name}"), None),
-                                              ("suffix", "ngram", "mtp"), regime(params)):
+                                              (*AUTO_LOOKUPS, "mtp"), regime(params)):
             return ()
     return resolve_mtp(target, heads) or ()
 
@@ -89,7 +92,8 @@ def build_proposer(spec: SpecConfig, target, params: SamplingParams, draft=None,
         from .suffix import SuffixProposer
 
         # both lookups: the suffix automaton finds the longest match, the n-gram table the most recent one
-        sources: dict = {"suffix": SuffixProposer(), "ngram": NgramProposer(spec.ngram_min, spec.ngram_max)}
+        sources: dict = dict(zip(AUTO_LOOKUPS, (SuffixProposer(), NgramProposer(spec.ngram_min, spec.ngram_max)),
+                                 strict=True))
         if index is not None:
             from .suffix import GlobalSuffixProposer
 

@@ -100,9 +100,7 @@ def heads_retired(identity: str | None, sources, regime: str) -> bool:
             return False
         skipped = (int(state.get("skipped", 0)) + 1) % RETIRE_FOR
         state["skipped"] = skipped
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(state))
-        tmp.replace(path)
+        _write(path, state)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
     return skipped != 0
@@ -115,11 +113,16 @@ def write_memory() -> None:
         state = {name: {k: getattr(pol, k) for k in _KEPT} for name, pol in policies.items()}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"version": 1, "policies": state}))
-            tmp.replace(path)
+            _write(path, {"version": 1, "policies": state})
         except OSError:
             pass
+
+
+def _write(path: Path, state: dict) -> None:
+    """A memory file replaced atomically (a process killed mid-write leaves the old one)."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(path)
 
 
 class AutoProposer:
