@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from specdec.bench.prompts import load_prompts  # noqa: E402
+from specdec.bench.roofline import forward_costs  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.loader import load  # noqa: E402
 from specdec.sampling import Draws, SamplingParams  # noqa: E402
@@ -52,24 +52,11 @@ def params_at(temp: float, seed: int) -> SamplingParams:
 
 
 def verify_curve(model, ctx: int) -> list[float]:
-    """[0, v(1)/v(1), ..., v(K+1)/v(1)]: one target forward over T new tokens after ctx cached (medians of 15)."""
-    cache = model.new_cache()
-    model.prefill(torch.randint(0, 40000, (ctx,)).tolist(), cache)
-    times: dict[int, list[float]] = defaultdict(list)
-    with torch.inference_mode():
-        for _ in range(15):
-            for t in range(1, K + 2):
-                ids = torch.randint(0, 40000, (1, t))
-                pos = torch.arange(ctx, ctx + t)
-                t0 = time.perf_counter()
-                model(ids, pos, cache, exact=True)
-                times[t].append(time.perf_counter() - t0)
-                cache.rollback(ctx)
-    base = statistics.median(times[1])
-    curve = [0.0] + [statistics.median(times[t]) / base for t in range(1, K + 2)]
-    for t in range(K, 0, -1):  # non-decreasing from the right, as the policy's own table (spec/autok.py)
-        curve[t] = min(curve[t], curve[t + 1])
-    return curve
+    """[0, v(1)/v(1), ..., v(K+1)/v(1)]: target forwards over T new tokens after ctx cached (roofline's
+    forward_costs, medians of 15), as the draft-length policy tabulates them (non-decreasing from the right)."""
+    policy = AutoDraftLength(K)
+    policy.verify_s = forward_costs(model, ctx, range(1, K + 2), repeats=15)
+    return policy.verify_table(K + 1)
 
 
 def replay(prompt: list[int], out: list[int], seed: int | None) -> list[tuple]:

@@ -25,8 +25,13 @@ def resolve_mtp(target, heads: str | None = None, kind: str | None = None):
     path = find_heads(target, kind)
     if path is not None:
         kind, drafter, vocab_map = load_heads(path, target)
-        return kind, drafter, vocab_map, f"shipped {path.name}"
+        return kind, drafter, vocab_map, shipped_source(path)
     return None
+
+
+def shipped_source(path: Path) -> str:
+    """The source resolve_mtp() names shipped heads by (part of auto's memory key, _identity)."""
+    return f"shipped {path.name}"
 
 
 AUTO_LOOKUPS = ("suffix", "ngram")  # the sources --spec auto always has, first (auto's memory is keyed by the names)
@@ -40,7 +45,7 @@ def auto_mtp(target, params: SamplingParams, heads: str | None = None):
 
     if not heads and not getattr(target, "mtp", None):
         path = find_heads(target)
-        if path is not None and heads_retired(_identity(target, (None, None, None, f"shipped {path.name}"), None),
+        if path is not None and heads_retired(_identity(target, (None, None, None, shipped_source(path)), None),
                                               (*AUTO_LOOKUPS, "mtp"), regime(params)):
             return ()
     return resolve_mtp(target, heads) or ()
