@@ -49,20 +49,22 @@ def test_prefill_decode_equals_full_forward(smollm2_f32):
 
 def test_rollback_then_regenerate_equals_never_going_ahead(smollm2_default):
     """Write 5 speculative tokens, roll back 3 of them, continue differently: the logits equal those of a cache that
-    never saw the rolled-back tokens (bitwise: rollback only moves the offset, the same kernels run)."""
+    never saw the rolled-back tokens (bitwise: rollback only moves the offset, the same kernels run). The forwards
+    are exact, as verification's are (a forward that is not exact attends through SDPA with a mask over all T new
+    slots, whose sums depend on T)."""
     m = smollm2_default.model
     ids = chat_ids(smollm2_default.tokenizer, "Count to ten.")
     n = len(ids)
     with torch.inference_mode():
         a = m.new_cache()
         m.prefill(ids, a)
-        m(torch.tensor([[11, 12, 13, 14, 15]]), torch.arange(n, n + 5), a)
+        m(torch.tensor([[11, 12, 13, 14, 15]]), torch.arange(n, n + 5), a, exact=True)
         a.rollback(n + 2)
-        la, _ = m(torch.tensor([[21, 22, 23]]), torch.arange(n + 2, n + 5), a)
+        la, _ = m(torch.tensor([[21, 22, 23]]), torch.arange(n + 2, n + 5), a, exact=True)
         b = m.new_cache()
         m.prefill(ids, b)
-        m(torch.tensor([[11, 12]]), torch.arange(n, n + 2), b)
-        lb, _ = m(torch.tensor([[21, 22, 23]]), torch.arange(n + 2, n + 5), b)
+        m(torch.tensor([[11, 12]]), torch.arange(n, n + 2), b, exact=True)
+        lb, _ = m(torch.tensor([[21, 22, 23]]), torch.arange(n + 2, n + 5), b, exact=True)
     assert torch.equal(la, lb)
     assert torch.equal(a.kv[:, :, :n + 5], b.kv[:, :, :n + 5])
 

@@ -10,7 +10,8 @@ import torch
 from specdec import kernels
 from specdec.quant import Int4Linear, Int8Linear
 
-pytestmark = pytest.mark.skipif(kernels.matmul_lib() is None, reason="no C compiler or no AVX-512 VNNI on this CPU")
+pytestmark = pytest.mark.skipif(kernels.matmul_lib() is None,
+                                reason="no C compiler, or neither AVX-512 VNNI nor AVX2 on this CPU")
 
 
 def weights(n: int, k: int, seed: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ import json
 import pytest
 from tiny_models import write_gguf
 
+from specdec import kernels
 from specdec.bench.roofline import forward_counts, kv_bytes_per_token, measure_bandwidth, measure_matmul, verify_curve
 from specdec.config import ModelArgs
 from specdec.spec.autok import AutoDraftLength
@@ -401,6 +402,8 @@ def test_overhead_prediction_by_hand():
     assert predicted_ratios(nbytes.get, flops.get, 4, bw, peak, 8.0)[2] == (25.0 + 0.3) / 8.0  # no negative fixed
 
 
+@pytest.mark.skipif(kernels.matmul_lib() is None,
+                    reason="no matmul kernel on this CPU: no linear runs in it")
 def test_kernel_rate_of_a_quantized_model_only(tmp_path):
     """measure_kernel_rate times one of the model's own quantized FFN linears (a MoE layer's first expert) on 8 rows
     against 1; a model whose linears are not quantized has no such kernel (None: the matmul peak is used)."""

@@ -197,8 +197,8 @@ def attend_latent(query: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, value
 
 @functools.cache
 def matmul_lib() -> ctypes.CDLL | None:
-    """The compiled quantized matmul kernel when this CPU runs it (AVX-512 VNNI), else None: the quantized linear
-    layers then use PyTorch's weight-only kernels."""
+    """The compiled quantized matmul kernel when this CPU runs it (AVX-512 VNNI, or AVX2: matmul_isa()), else None:
+    the quantized linear layers then use PyTorch's weight-only kernels."""
     dll = _build("matmul", "PyTorch's weight-only int4/int8 kernels, which make decoding slower")
     if dll is None or not dll.specdec_matmul_supported():
         return None
@@ -214,6 +214,13 @@ def matmul_lib() -> ctypes.CDLL | None:
     dll.specdec_matmul_amx.argtypes = [i]
     dll.specdec_matmul_amx(int(os.environ.get("SPECDEC_AMX", "1") != "0"))  # SPECDEC_AMX=0: VNNI only
     return dll
+
+
+def matmul_isa() -> str | None:
+    """The instruction set the matmul kernel was built for on this CPU: "AVX-512 VNNI", "AVX2", or None (not built).
+    Both compute the same integer dot products and float operations (matmul.c)."""
+    dll = matmul_lib()
+    return {2: "AVX-512 VNNI", 1: "AVX2"}.get(dll.specdec_matmul_supported()) if dll is not None else None
 
 
 def set_amx(on: bool) -> bool:

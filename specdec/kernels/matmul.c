@@ -1,4 +1,5 @@
-/* Weight-only quantized matmul y = x W^T for decode and verification steps (CPU, AVX-512 VNNI), batch-invariant.
+/* Weight-only quantized matmul y = x W^T for decode and verification steps (CPU: AVX-512 VNNI, or AVX2 where there is
+   no AVX-512, see "AVX2" below), batch-invariant.
 
    W [N, K] is int4 (asymmetric, one scale and zero per group of 32 inputs: w = (q - 8) s + z, i.e. GGUF Q4_1's
    w = q s + m with m = z - 8 s) or int8
@@ -40,10 +41,18 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define HAVE_VNNI 1
+#define HAVE_AVX2 0
+#include "vexp.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_VNNI 0
+#define HAVE_AVX2 1 /* CPUs without AVX-512 (AMD Zen 1-3, Intel client cores before Ice Lake, ...): see AVX2 below */
 #include "vexp.h"
 #else
 #define HAVE_VNNI 0
+#define HAVE_AVX2 0
 #endif
+#define HAVE_KERNEL (HAVE_VNNI || HAVE_AVX2)
 #if HAVE_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -58,13 +67,25 @@
 /* activation rows per pass over a block's weights (register blocking): int4 keeps two accumulators per row, int8
    one; more rows spill registers (a 16384 x 2048 int4 call at T = 9: 0.85 ms with 6 rows, 0.88 with 4, 0.98 with
    8; 3072 x 2048 int8 at T = 8: 0.12 ms with 8 rows, 0.17 with 4) */
+#if HAVE_VNNI
 #define ROWS4 6
 #define ROWS8 8
+#else /* AVX2: 16 vector registers, not 32 (docs/results/avx2-matmul.txt) */
+#define ROWS4 AVX2_ROWS4
+#define ROWS8 AVX2_ROWS8
+#endif
+#ifndef AVX2_ROWS4
+#define AVX2_ROWS4 4
+#endif
+#ifndef AVX2_ROWS8
+#define AVX2_ROWS8 2
+#endif
 #ifndef PREFETCH
 #define PREFETCH 3072 /* bytes of int4 codes (twice that of int8) fetched ahead into L1; 0: none */
 #endif
 
-int specdec_matmul_supported(void) { return HAVE_VNNI; }
+/* Which path this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 none (the kernel is not used). */
+int specdec_matmul_supported(void) { return HAVE_VNNI ? 2 : HAVE_AVX2; }
 
 /* AMX (Intel Advanced Matrix Extensions): one TDPBSUD instruction computes a 16-row x 16-output tile of a group's
    integer dot products, the work of 16 x 8 VPDPBUSD instructions. Used for every pass over 2 or more activation rows
@@ -251,6 +272,211 @@ static inline void block_int8(const uint8_t *w, const uint16_t *s, int G, const 
         _mm512_storeu_ps(acc_out + r * LANES, _mm512_mul_ps(_mm512_sub_ps(y[r], _mm512_set1_ps(c[t0 + r])), sr));
 }
 
+/* The 16 outputs of one row and block from acc (f32 [16]): SwiGLU with up (the block's up half) when given, the
+   residual added when given, stored at y + i. */
+static inline void out16(const float *acc, const float *up, const void *residual, void *y, int bf16, long i) {
+    __m512 v = _mm512_loadu_ps(acc);
+    if (up) v = silu_mul(v, _mm512_loadu_ps(up));
+    if (residual) v = _mm512_add_ps(load_out(residual, bf16, i), v);
+    store_out(y, bf16, i, v);
+}
+
+#elif HAVE_AVX2
+
+/* AVX2 (no AVX-512): the same layout, integer dot products and float operations as the AVX-512 path above, 8 lanes
+   at a time. There is no VPDPBUSD: VPMADDUBSW multiplies u8 weight codes by s8 activation codes and adds pairs into
+   s16, VPMADDWD by ones adds those pairs into s32. The s16 sums stay exact: an int4 code is at most 15 and an
+   activation code at most 127 in magnitude, so one s16 slot, summing 2 products for each of a group's 8
+   instructions (16 products), stays within 16 x 15 x 127 = 30480 < 32767; int8 codes (q + 128, up to 255) are
+   split into their two nibbles, each summed like an int4 code (16 hi + lo, in s32). So every group's dot product
+   is the exact integer VPDPBUSD gives, and the float operations on it are the AVX-512 path's, in the same order
+   (the minimum term of int4 accumulates in its own chain there too, so here it runs as its own pass); the RMSNorm
+   sum reduces in _mm512_reduce_add_ps's order. A block of 16 outputs runs as two halves of 8 lanes. */
+
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline __m256 load_out8(const void *p, int bf16, long i) {
+    return bf16 ? load_bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* The sum of a 16-float vector held as lanes 0-7 (lo) and 8-15 (hi), in GCC's _mm512_reduce_add_ps order. */
+static inline float reduce_add16(__m256 lo, __m256 hi) {
+    __m256 t3 = _mm256_add_ps(hi, lo);
+    __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
+static inline float reduce_max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_max_ps(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+static inline int reduce_add8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+/* quantize_rows of the AVX-512 path (see there), 8 lanes at a time */
+static void quantize_rows(const void *x, int bf16, int T, int K, const float *norm, float eps, int8_t *qx, float *d,
+                          float *ds, float *c) {
+    int G = K / GROUP;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' 128-bit interleave */
+    for (int t = 0; t < T; t++) {
+        __m256 r = _mm256_set1_ps(1.0f);
+        if (norm) {
+            __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+            for (int k = 0; k < K; k += LANES) {
+                __m256 a = load_out8(x, bf16, (long)t * K + k), b = load_out8(x, bf16, (long)t * K + k + 8);
+                lo = _mm256_fmadd_ps(a, a, lo);
+                hi = _mm256_fmadd_ps(b, b, hi);
+            }
+            r = _mm256_set1_ps(1.0f / sqrtf(reduce_add16(lo, hi) / (float)K + eps));
+        }
+        for (int g = 0; g < G; g++) {
+            long k = (long)g * GROUP;
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = load_out8(x, bf16, (long)t * K + k + 8 * j);
+                if (norm) v[j] = _mm256_mul_ps(_mm256_mul_ps(v[j], r), _mm256_loadu_ps(norm + k + 8 * j));
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+            }
+            float amax = reduce_max8(m);
+            __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m256i q[4];
+            for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(qx + (long)t * K + k), _mm256_permutevar8x32_epi32(p, order));
+            float dg = amax / 127.0f;
+            d[(long)t * G + g] = dg;
+            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            ds[(long)t * G + g] = dg * (float)reduce_add8i(sum);
+            c[t] += 128.0f * ds[(long)t * G + g];
+        }
+    }
+}
+
+/* silu_mul of the AVX-512 path */
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));
+    __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.0f))), u);
+}
+
+static inline void store_out8(void *out, int bf16, long i, __m256 y) {
+    if (bf16) { /* round to nearest even, as torch does */
+        __m256i u = _mm256_castps_si256(y);
+        u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                  _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+        __m256i h = _mm256_packus_epi32(_mm256_srli_epi32(u, 16), _mm256_setzero_si256());
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(h, 0x08)));
+    } else {
+        _mm256_storeu_ps((float *)out + i, y);
+    }
+}
+
+static inline void out16(const float *acc, const float *up, const void *residual, void *y, int bf16, long i) {
+    for (int h = 0; h < 2; h++) {
+        __m256 v = _mm256_loadu_ps(acc + 8 * h);
+        if (up) v = silu_mul8(v, _mm256_loadu_ps(up + 8 * h));
+        if (residual) v = _mm256_add_ps(load_out8(residual, bf16, i + 8 * h), v);
+        store_out8(y, bf16, i + 8 * h, v);
+    }
+}
+
+static inline __m256i bcast4(const int8_t *q) {
+    int32_t b;
+    memcpy(&b, q, 4);
+    return _mm256_set1_epi32(b);
+}
+
+/* block_int4 of the AVX-512 path (see there) for rows [t0, t0 + nt), nt <= ROWS4: per half of the block, the
+   scale term over every group (one VPMADDWD per row and group: the s16 sums of a group's 4 x 2 instructions), then
+   the minimum term (its own chain in both paths, so the same sums) */
+static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
+                              const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
+    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 y[ROWS4], ym[ROWS4];
+        for (int r = 0; r < ROWS4; r++) y[r] = ym[r] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const uint8_t *wg = w + (long)g * 256 + 32 * h;
+#if PREFETCH
+            if (h == 0)
+                for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wg + PREFETCH + 64 * j), _MM_HINT_T0);
+#endif
+            __m256i a[ROWS4];
+            for (int r = 0; r < ROWS4; r++) a[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                __m256i p = _mm256_loadu_si256((const __m256i *)(wg + 64 * j));
+                __m256i u0 = _mm256_and_si256(p, lo), u1 = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo);
+                for (int r = 0; r < nt; r++) {
+                    const int8_t *q = qx + (long)(t0 + r) * K + (long)g * GROUP + 8 * j;
+                    a[r] = _mm256_add_epi16(a[r], _mm256_add_epi16(_mm256_maddubs_epi16(u0, bcast4(q)),
+                                                                   _mm256_maddubs_epi16(u1, bcast4(q + 4))));
+                }
+            }
+            __m256 sg = load_bf16x8(s + (long)g * LANES + 8 * h);
+            for (int r = 0; r < nt; r++) {
+                __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[r], ones));
+                y[r] = _mm256_fmadd_ps(_mm256_mul_ps(sg, _mm256_set1_ps(d[(long)(t0 + r) * G + g])), dot, y[r]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            __m256 sg = load_bf16x8(s + (long)g * LANES + 8 * h);
+            __m256 mg = z ? _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sg, load_bf16x8(z + (long)g * LANES + 8 * h))
+                          : _mm256_mul_ps(_mm256_set1_ps(-8.0f), sg);
+            for (int r = 0; r < nt; r++)
+                ym[r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
+        }
+        for (int r = 0; r < nt; r++) _mm256_storeu_ps(acc_out + r * LANES + 8 * h, _mm256_add_ps(y[r], ym[r]));
+    }
+}
+
+/* block_int8 of the AVX-512 path for rows [t0, t0 + nt), nt <= ROWS8: each code u = 16 hi + lo */
+static inline void block_int8(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
+                              const float *c, int K, int t0, int nt, float *acc_out) {
+    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 y[ROWS8];
+        for (int r = 0; r < ROWS8; r++) y[r] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const uint8_t *wg = w + (long)g * 512 + 32 * h;
+#if PREFETCH
+            if (h == 0)
+                for (int j = 0; j < 8; j++) _mm_prefetch((const char *)(wg + 2 * PREFETCH + 64 * j), _MM_HINT_T0);
+#endif
+            __m256i ah[ROWS8], al[ROWS8];
+            for (int r = 0; r < ROWS8; r++) ah[r] = al[r] = _mm256_setzero_si256();
+            for (int i = 0; i < 8; i++) {
+                __m256i p = _mm256_loadu_si256((const __m256i *)(wg + 64 * i));
+                __m256i ul = _mm256_and_si256(p, lo), uh = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo);
+                for (int r = 0; r < nt; r++) {
+                    __m256i b = bcast4(qx + (long)(t0 + r) * K + (long)g * GROUP + 4 * i);
+                    ah[r] = _mm256_add_epi16(ah[r], _mm256_maddubs_epi16(uh, b));
+                    al[r] = _mm256_add_epi16(al[r], _mm256_maddubs_epi16(ul, b));
+                }
+            }
+            for (int r = 0; r < nt; r++) {
+                __m256i a = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(ah[r], ones), 4),
+                                             _mm256_madd_epi16(al[r], ones));
+                y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(d[(long)(t0 + r) * G + g]), y[r]);
+            }
+        }
+        __m256 sr = load_bf16x8(s + 8 * h);
+        for (int r = 0; r < nt; r++)
+            _mm256_storeu_ps(acc_out + r * LANES + 8 * h,
+                             _mm256_mul_ps(_mm256_sub_ps(y[r], _mm256_set1_ps(c[t0 + r])), sr));
+    }
+}
+
+#endif
+
 #if HAVE_AMX
 /* The [nt, 16] integer dot products of m <= 4 consecutive groups into c [4][AMX_ROWS * 16]: qx at the first
    group's codes of row t0 (row stride K), b the groups' weight codes (512 bytes each, VNNI layout, stride bstep). */
@@ -354,6 +580,8 @@ static void block_int8_amx(const uint8_t *w, const uint16_t *s, int G, const int
 #define AMX_FRESH (void)0
 #endif
 
+#if HAVE_KERNEL
+
 /* One block of 16 weight rows, all T rows of x: acc [T, 16]. */
 static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, int bits, int G, long b,
                       const int8_t *qx, const float *d, const float *ds, const float *c, int K, int T, float *acc) {
@@ -410,7 +638,7 @@ static int quantized_input(const void *x, int bf16, int T, int K, const float *n
 int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *w, const uint16_t *s,
                    const uint16_t *z, void *y, int bf16, const float *norm, float eps, int swiglu,
                    const void *residual) {
-#if HAVE_VNNI
+#if HAVE_KERNEL
     if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || (bits != 4 && bits != 8) || T < 1) return -2;
     int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N;
     int8_t *qx;
@@ -425,13 +653,9 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
             if (!acc) continue;
             block_all(w, s, z, bits, G, b, qx, d, ds, c, K, T, acc);
             if (swiglu) block_all(w, s, z, bits, G, b + blocks / 2, qx, d, ds, c, K, T, acc + T * LANES);
-            for (int t = 0; t < T; t++) {
-                __m512 v = _mm512_loadu_ps(acc + t * LANES);
-                if (swiglu) v = silu_mul(v, _mm512_loadu_ps(acc + (T + t) * LANES));
-                long i = (long)t * n_out + (long)b * LANES;
-                if (residual) v = _mm512_add_ps(load_out(residual, bf16, i), v);
-                store_out(y, bf16, i, v);
-            }
+            for (int t = 0; t < T; t++)
+                out16(acc + t * LANES, swiglu ? acc + (T + t) * LANES : NULL, residual, y, bf16,
+                      (long)t * n_out + (long)b * LANES);
         }
         free(acc);
     }
@@ -451,7 +675,7 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
    by the instructions specdec_matmul uses for it, whatever T and H: batch-invariant. Returns as specdec_matmul. */
 int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, const uint8_t *const *w,
                          const uint16_t *const *s, const uint16_t *const *z, void *y, int bf16) {
-#if HAVE_VNNI
+#if HAVE_KERNEL
     if (K % GROUP || N % LANES || (bits != 4 && bits != 8) || T < 1 || H < 1) return -2;
     int G = K / GROUP, blocks = N / LANES;
     int8_t *qx;
@@ -467,7 +691,7 @@ int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, co
             long h = i / blocks, b = i % blocks, r0 = h * (long)T;
             block_all(w[h], s[h], z[h], bits, G, b, qx + r0 * K, d + r0 * G, ds + r0 * G, c + r0, K, T, acc);
             for (int t = 0; t < T; t++)
-                store_out(y, bf16, (r0 + t) * N + b * LANES, _mm512_loadu_ps(acc + t * LANES));
+                out16(acc + t * LANES, NULL, NULL, y, bf16, (r0 + t) * N + b * LANES);
         }
         free(acc);
     }
@@ -489,7 +713,7 @@ int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, co
    product), whatever the other rows chose: batch-invariant. out: [R k, D]. Returns as specdec_matmul. */
 int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int E, int I, int bits13, int bits2,
                     const int64_t *w13, const int64_t *w2, void *out, int bf16) {
-#if HAVE_VNNI
+#if HAVE_KERNEL
     if (D % GROUP || I % GROUP || I % LANES || D % LANES || (bits13 != 4 && bits13 != 8) ||
         (bits2 != 4 && bits2 != 8) || R < 1 || k < 1)
         return -2;
@@ -548,8 +772,7 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
             block_all(w, s, z, bits13, G1, b + half, qs + (long)s0 * D, sd + (long)s0 * G1, sds + (long)s0 * G1,
                       sc + s0, D, T, acc + T * LANES);
             for (int t = 0; t < T; t++)
-                store_out(a, bf16, (long)(s0 + t) * I + (long)b * LANES,
-                          silu_mul(_mm512_loadu_ps(acc + t * LANES), _mm512_loadu_ps(acc + (T + t) * LANES)));
+                out16(acc + t * LANES, acc + (T + t) * LANES, NULL, a, bf16, (long)(s0 + t) * I + (long)b * LANES);
         }
         free(acc);
     }
@@ -571,7 +794,7 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
                 block_all((const uint8_t *)p[0], (const uint16_t *)p[1], (const uint16_t *)p[2], bits2, G2, b,
                           qa + (long)s0 * I, da + (long)s0 * G2, dsa + (long)s0 * G2, ca + s0, I, T, acc);
                 for (int t = 0; t < T; t++)
-                    store_out(out, bf16, (long)order[s0 + t] * D + (long)b * LANES, _mm512_loadu_ps(acc + t * LANES));
+                    out16(acc + t * LANES, NULL, NULL, out, bf16, (long)order[s0 + t] * D + (long)b * LANES);
             }
             free(acc);
         }

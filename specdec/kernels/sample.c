@@ -87,7 +87,7 @@ int specdec_topk(const float *x, long rows, long V, long stride, int n, float *o
 #define TIE_SLACK 16   /* candidates taken past the k-th, so a run of values tied with it is usually inside */
 #define PARTIAL_START 64 /* candidates first tried for top-p / min-p without top-k, times 4 while needed */
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #include "vexp.h"
 #endif
@@ -113,6 +113,26 @@ static double block_exp(const float *x, long j, long end, float m, float inv_t, 
     _mm512_storeu_ps(e, w);
     return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(w)),
                                               _mm512_cvtps_pd(_mm512_extractf32x8_ps(w, 1))));
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* the same weights and sum, 8 lanes at a time (the sum in _mm512_reduce_add_pd's order) */
+    __m256 w[2];
+    for (int h = 0; h < 2; h++) {
+        long n = end - j - 8 * h;
+        __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(n < 0 ? 0 : (int)n),
+                                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 v = _mm256_maskload_ps(x + j + 8 * h, in);
+        __m256 a = _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(m)), _mm256_set1_ps(inv_t));
+        __m256 ok = _mm256_and_ps(_mm256_castsi256_ps(in), _mm256_cmp_ps(a, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+        w[h] = _mm256_and_ps(ok, exp_nonpos8(a));
+        _mm256_storeu_ps(e + 8 * h, w[h]);
+    }
+    __m256d lo = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w[0])),
+                               _mm256_cvtps_pd(_mm256_castps256_ps128(w[1])));
+    __m256d hi = _mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w[0], 1)),
+                               _mm256_cvtps_pd(_mm256_extractf128_ps(w[1], 1)));
+    __m256d t3 = _mm256_add_pd(hi, lo);
+    __m128d t6 = _mm_add_pd(_mm256_extractf128_pd(t3, 1), _mm256_castpd256_pd128(t3));
+    return _mm_cvtsd_f64(t6) + _mm_cvtsd_f64(_mm_unpackhi_pd(t6, t6));
 #else
     double s = 0.0;
     for (long i = j; i < end; i++) {
