@@ -2,10 +2,10 @@
 
 Decoding reads every weight once per token, so bytes per weight set the speed. Quantized layers run on specdec's
 matmul kernel (specdec/kernels/matmul.c: activations quantized to int8 per group of 32, exact integer dot products
-with AVX-512 VNNI, batch-invariant) when the CPU has it, ~2.5x faster than PyTorch's weight-only kernels at one
-token and ~2x at 8; else on PyTorch's (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which want bf16
-activations: with f32 activations they take a slow path (see MACHINE-FACTS.md), so those layers cast their input
-to bf16 and the result back.
+with AVX-512 VNNI or AVX2, batch-invariant) when the CPU has either, ~2.5x faster than PyTorch's weight-only kernels
+at one token and ~2x at 8 (AVX-512; AVX2 2.5-4x, docs/results/avx2-matmul.txt); else on PyTorch's
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which want bf16 activations: with f32 activations they take
+a slow path (see MACHINE-FACTS.md), so those layers cast their input to bf16 and the result back.
 
 - int8: symmetric, one scale per output row (absmax / 127).
 - int4: asymmetric, one (scale, zero) per group of 32 input columns, like GGUF's Q4_1: w = (q - 8) * scale + zero.
