@@ -59,6 +59,24 @@ def test_measure_peaks_small():
     assert measure_matmul(n=64, repeats=2) > 0
 
 
+def test_matmul_peak_is_the_faster_dtype(monkeypatch):
+    """A model in bf16 on a CPU whose bf16 GEMM is slow (no bf16 units) is measured against the f32 GEMM, and the
+    slow dtype only probed at a small size; where bf16 is fast, its full-size rate counts."""
+    import torch
+
+    from specdec.bench import roofline
+
+    calls = []
+    rates = {torch.bfloat16: 3e8, torch.float32: 9e10}
+    monkeypatch.setattr(roofline, "measure_matmul", lambda dt, dev, n, reps: calls.append((dt, n)) or rates[dt])
+    assert roofline.matmul_peak(torch.bfloat16) == 9e10
+    assert calls == [(torch.float32, 2048), (torch.bfloat16, 256)]  # the slow dtype never at full size
+    assert roofline.matmul_peak(torch.float32) == 9e10
+    rates[torch.bfloat16] = 2e12  # a CPU with AMX / AVX-512 BF16
+    calls.clear()
+    assert roofline.matmul_peak(torch.bfloat16) == 2e12 and (torch.bfloat16, 2048) in calls
+
+
 def test_verify_curve_interpolates():
     v = verify_curve({1: 0.010, 2: 0.012, 4: 0.020})
     assert v(1) == 1.0 and v(2) == pytest.approx(1.2) and v(3) == pytest.approx(1.6)

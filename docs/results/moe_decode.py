@@ -52,7 +52,7 @@ def measure(path: str, a) -> dict:
     wb = model.weight_bytes
     kvt = rl.kv_bytes_per_token(model.args, torch.empty((), dtype=model.dtype).element_size())
     stream = rl.measure_bandwidth(model.device, 512 * 2**20, repeats=5, kinds=("read",))["read"]
-    flops_peak = rl.measure_matmul(model.dtype, model.device, 1024, repeats=3)
+    flops_peak = rl.matmul_peak(model.dtype, model.device, 1024, repeats=3)
     kernel_rate = rl.measure_kernel_rate(model)  # the quantized kernel's marginal FLOP/s: what extra rows cost
     # plain decode: successive T = 1 forwards, last logits, argmax (as plain greedy decoding runs them)
     decode_s = rl.draft_cost(model, a.context, n_tokens=a.n, repeats=a.repeats, warmup=1)

@@ -111,6 +111,17 @@ def measure_matmul(dtype: torch.dtype = torch.float32, device: torch.device | st
     return 2.0 * n**3 / statistics.median(times)
 
 
+def matmul_peak(dtype: torch.dtype, device: torch.device | str = "cpu", n: int = 2048, repeats: int = 5) -> float:
+    """The machine's dense matmul yardstick for a model in `dtype`: the faster of a GEMM in that dtype and in f32.
+    On CPUs without bf16 units PyTorch's bf16 GEMM runs far below its f32 one (~1 GFLOP/s against 182 on the 12-02
+    AMD host, where compute utilization then read 13940%, and one 2048^3 product took a minute), so the dtype is
+    first probed at 256^3 and measured at full size only when the probe is within 4x of f32."""
+    best = measure_matmul(torch.float32, device, n, repeats)
+    if dtype != torch.float32 and measure_matmul(dtype, device, 256, 2) > 0.25 * best:
+        best = max(best, measure_matmul(dtype, device, n, repeats))
+    return best
+
+
 def measure_kernel_rate(model, t: int = 8, repeats: int = 9) -> float | None:
     """The marginal FLOP/s of the kernel a quantized model's matmuls run: one of its own FFN linears (a MoE layer's
     first expert, else a dense layer's gate-up), cache-resident, timed on t rows and on 1 row; 2 (t - 1) N K FLOPs
@@ -391,7 +402,7 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
     bw_model = measure_bandwidth(dev, min(wb, bw_bytes), repeats=3 if quick else 7, kinds=("read",))["read"]
     mm_n = 256 if quick else 2048
     progress(f"matmul {mm_n}x{mm_n} @ {mm_n}x{mm_n} in {_dtype_name(model.dtype)} ...")
-    flops_peak = measure_matmul(model.dtype, dev, mm_n, repeats=3 if quick else 5)
+    flops_peak = matmul_peak(model.dtype, dev, mm_n, repeats=3 if quick else 5)
     kernel_rate = measure_kernel_rate(model, repeats=3 if quick else 9)  # what a verify's extra rows cost
     progress(f"target forwards over T = {', '.join(map(str, ts))} new tokens after {context} cached ...")
     costs = forward_costs(model, context, ts, exact=True, repeats=repeats, warmup=warmup, progress=progress)

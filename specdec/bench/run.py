@@ -194,11 +194,11 @@ def build_modes(names: list[str], target, args) -> list[Mode]:
 
 def machine_peaks(model) -> dict:
     """This run's yardsticks, measured once before the runs: STREAM read bandwidth (512 MB arrays) and the FLOP/s
-    of a large matmul in the model's activation dtype (bench/roofline.py)."""
-    from .roofline import measure_bandwidth, measure_matmul
+    of a large matmul in the model's activation dtype or f32, whichever is faster (bench/roofline.py matmul_peak)."""
+    from .roofline import matmul_peak, measure_bandwidth
 
     bw = measure_bandwidth(model.device, kinds=("read",), repeats=5)
-    return {"read_gb_s": bw["read"], "matmul_flop_s": measure_matmul(model.dtype, model.device)}
+    return {"read_gb_s": bw["read"], "matmul_flop_s": matmul_peak(model.dtype, model.device)}
 
 
 def run_bench(target, modes: list[Mode], peers: list, prompts: list[Prompt], n: int, repeats: int,
