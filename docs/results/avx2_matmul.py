@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from amx_matmul import per_call_us as amx_per_call_us
 
 from specdec import kernels
 from specdec.quant import Int4Linear, Int8Linear
@@ -25,17 +25,11 @@ TS = (1, 2, 4, 8, 16, 64, 512)
 
 
 def per_call_us(f, budget: float = 0.3) -> float:
-    f()
+    """amx_matmul.per_call_us with as many calls per timing as fit `budget` seconds over its 15 timings (an 8B-sized
+    call at T = 64 takes ~0.1 s, a small one ~50 us)."""
     t = time.perf_counter()
     f()
-    n = max(1, min(50, int(budget / 15 / max(time.perf_counter() - t, 1e-6))))
-    times = []
-    for _ in range(15):
-        t = time.perf_counter()
-        for _ in range(n):
-            f()
-        times.append((time.perf_counter() - t) / n)
-    return statistics.median(times) * 1e6
+    return amx_per_call_us(f, max(1, min(50, int(budget / 15 / max(time.perf_counter() - t, 1e-6)))))
 
 
 def variant(rows4: int, rows8: int, tmp: Path) -> ctypes.CDLL:
