@@ -56,7 +56,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         variants = {}
         if args.rows:
-            variants = {(r4, r8): variant(r4, r8, Path(tmp)) for r4, r8 in ((2, 2), (3, 3), (4, 4), (6, 4))}
+            variants = {(r4, r8): variant(r4, r8, Path(tmp)) for r4, r8 in ((4, 2), (5, 3), (6, 4), (8, 3))}
         print("cells: PyTorch weight-only kernel / specdec AVX2 kernel, us per call"
               + (" ; then AVX2 with (ROWS4, ROWS8) = " + ", ".join(map(str, variants)) if variants else ""))
         for cls, n, k in SHAPES:
