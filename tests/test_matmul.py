@@ -95,7 +95,8 @@ def test_kernel_computes_its_algorithm(cls, reference, dequantized, n, k, dtype)
 @pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
 def test_rows_are_batch_invariant(cls):
     lin = cls(weights(576, 1536, seed=3), None)
-    # up to 17 rows: passes of every size the register blockings use, split unevenly (13 rows: 5 + 4 + 4 on AVX2, whose passes take up to 6)
+    # up to 17 rows: passes of every size the register blockings use, split unevenly
+    # (13 rows: 5 + 4 + 4 on AVX2, whose passes take up to 6)
     x = torch.randn(17, 1536, generator=torch.Generator().manual_seed(4)).bfloat16()
     whole = lin(x)
     threads = torch.get_num_threads()
