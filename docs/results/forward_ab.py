@@ -1,5 +1,5 @@
 """Time one target forward over T new tokens after `context` cached tokens, exactly as verification runs it
-(exact=True), medians of 40, for T = 1, 2, 3, 4, 8. Run it alternately on two checkouts to compare them in one
+(exact=True), medians of 40, for T = 1, 2, 3, 4, 8, 9. Run it alternately on two checkouts to compare them in one
 session (the machine's speed drifts between sessions):
 
     python docs/results/forward_ab.py 700                       # this checkout
@@ -24,7 +24,7 @@ def main() -> None:
     cache = model.new_cache()
     tokens = torch.randint(0, 40000, (1, ctx))
     model.prefill(tokens[0].tolist(), cache)
-    ts = (1, 2, 3, 4, 8)
+    ts = (1, 2, 3, 4, 8, 9)
     times: dict[int, list[float]] = {t: [] for t in ts}
     with torch.inference_mode():
         for _ in range(40):

@@ -171,13 +171,21 @@ typedef struct {
     float *part; /* [Dv + 2]: max, sum, then sum_j exp(s_j - max) v_j */
 } rowhead;
 
+#if defined(__AVX512F__) || !defined(__AVX2__) || !defined(__FMA__)
 #define MAX_R 12 /* (row, head) pairs whose scores are computed together: 24 accumulators */
 #define MAX_RV 6 /* pairs whose outputs are accumulated together: 24 accumulators for 64 columns */
+#else /* AVX2's 16 registers (see ATTEND_HOT below) */
+#ifndef MAX_R
+#define MAX_R 3
+#endif
+#ifndef MAX_RV
+#define MAX_RV 2
+#endif
+#endif
 
-/* The kernel, instantiated for f32 and bf16 storage (T_ the element type, LD_ / ST_ its vector load / store,
-   PAIR_ / ORDER_ / ROW_ as above); its inner loops for a constant number R of (row, head) pairs that share a KV
-   head and so each key tile and value row loaded (one instantiation for each R, dispatched at run time). */
-#define ATTEND_KERNEL(NAME, T_, LD_, ST_, PAIR_, ORDER_, ROW_)                                                     \
+#if defined(__AVX512F__) || !defined(__AVX2__) || !defined(__FMA__)
+/* The inner loops (scores, and the outputs' weighted sums of value rows) in 16-lane vectors. */
+#define ATTEND_HOT(NAME, T_, PAIR_, ORDER_, ROW_)                                                                  \
     /* 32 scores (one tile kt [D, 32]) for R queries qt [D][R] -> s[r][at .. at + 32) */                           \
     static inline __attribute__((always_inline)) void scores_##NAME(const int R, const float *qt, const T_ *kt,    \
                                                                     int D, float scale, rowhead *rh, long at) {    \
@@ -251,7 +259,105 @@ typedef struct {
             _Pragma("GCC unroll 16") for (int c = 0; c < CV; c++)                                                  \
                 store_f32(rh[r].part + 2 + col + c * W, acc[r * CV + c]);                                          \
         }                                                                                                          \
+    }
+#else
+/* AVX2 (no AVX-512): the same inner loops in 8-lane registers. GCC has no register for a 16-float vector without
+   AVX-512, so the vector-extension loops above kept every accumulator on the stack and moved each fused
+   multiply-add's halves through general registers (perf: a T = 9 SmolLM2 verification spent 39% of its time in
+   attention). Per key and per output column these are the same operations in the same order (a score: one chain of
+   fused multiply-adds over d, then times scale; an output column: one chain over the keys in key order, run slots
+   then tail slots), so results are those of the 16-lane loops; bf16 is widened in element order (no pairs). */
+static inline __m256 ld8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#define LD8(p) _Generic((p), const float *: ld8_f32, const uint16_t *: ld8_bf16)(p)
+#define ATTEND_HOT(NAME, T_, PAIR_, ORDER_, ROW_)                                                                  \
+    /* 32 scores (one tile kt [D, 32]) for R queries qt [D][R] -> s[r][at .. at + 32) */                           \
+    static inline __attribute__((always_inline)) void scores_##NAME(const int R, const float *qt, const T_ *kt,    \
+                                                                    int D, float scale, rowhead *rh, long at) {    \
+        __m256 a[MAX_R][4];                                                                                        \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] =               \
+            _mm256_setzero_ps();                                                                                   \
+        for (int d = 0; d < D; d++, qt += R) {                                                                     \
+            const T_ *k = kt + d * BLOCK;                                                                          \
+            __m256 x0 = LD8(k), x1 = LD8(k + 8), x2 = LD8(k + 16), x3 = LD8(k + 24);                               \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                 \
+                __m256 qv = _mm256_broadcast_ss(qt + r);                                                           \
+                a[r][0] = _mm256_fmadd_ps(qv, x0, a[r][0]), a[r][1] = _mm256_fmadd_ps(qv, x1, a[r][1]);            \
+                a[r][2] = _mm256_fmadd_ps(qv, x2, a[r][2]), a[r][3] = _mm256_fmadd_ps(qv, x3, a[r][3]);            \
+            }                                                                                                      \
+        }                                                                                                          \
+        const __m256 sc = _mm256_set1_ps(scale);                                                                   \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                       \
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)                                                    \
+                _mm256_storeu_ps(rh[r].s + at + 8 * c, _mm256_mul_ps(a[r][c], sc));                                \
     }                                                                                                              \
+                                                                                                                   \
+    /* One value row's 32 columns from v into R pairs' accumulators acc[r][0..4), weighted by pr[r][j]; only = 1:  \
+       every pair, else only those whose slot range [ra[r], rb[r]) holds j. */                                     \
+    static inline __attribute__((always_inline)) void step_##NAME(const int R, const int NV, __m256 (*acc)[4],     \
+                                                                  const T_ *v, const float **pr, const long *ra,   \
+                                                                  const long *rb, long j, int only) {              \
+        __m256 x[4];                                                                                               \
+        _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++) x[c] = LD8(v + 8 * c);                                \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) if (only || (j >= ra[r] && j < rb[r])) {              \
+            __m256 p = _mm256_broadcast_ss(pr[r] + j);                                                             \
+            _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++) acc[r][c] = _mm256_fmadd_ps(p, x[c], acc[r][c]);  \
+        }                                                                                                          \
+    }                                                                                                              \
+                                                                                                                   \
+    /* Columns col .. col + 16 CV of sum_j p_j v_j for R pairs, 32 columns (NV = 4 registers) a pass: their run     \
+       slots in slot order (the slots every pair attends without a test), then each pair's tail slots in order. */ \
+    static inline __attribute__((always_inline)) void values_##NAME(const int R, const int CV, const T_ *v,        \
+                                                                    long stride, rowhead *rh, int col) {           \
+        const int NV = CV == 1 ? 2 : 4;                                                                            \
+        const float *pr[MAX_RV];                                                                                   \
+        long ra[MAX_RV], rb[MAX_RV], lo = 1L << 62, hi = 0, all0 = 0, all1 = 1L << 62;                             \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                     \
+            ra[r] = rh[r].a, rb[r] = rh[r].b, pr[r] = rh[r].p - rh[r].a;                                           \
+            if (ra[r] < rb[r]) {                                                                                   \
+                lo = ra[r] < lo ? ra[r] : lo, hi = rb[r] > hi ? rb[r] : hi;                                        \
+                all0 = ra[r] > all0 ? ra[r] : all0, all1 = rb[r] < all1 ? rb[r] : all1;                            \
+            } else                                                                                                 \
+                all0 = all1 = 0;                                                                                   \
+        }                                                                                                          \
+        if (all0 >= all1)                                                                                          \
+            all0 = all1 = hi;                                                                                      \
+        for (int c0 = 0; c0 < 16 * CV; c0 += 8 * NV) {                                                             \
+            const T_ *vc = v + col + c0;                                                                           \
+            __m256 acc[MAX_RV][4];                                                                                 \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                   \
+                _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++) acc[r][c] = _mm256_setzero_ps();              \
+            long j = lo;                                                                                           \
+            for (; j < all0; j++)                                                                                  \
+                step_##NAME(R, NV, acc, vc + j * stride, pr, ra, rb, j, 0);                                        \
+            for (; j < all1; j++) {                                                                                \
+                __builtin_prefetch((const char *)(vc + (j + 16) * stride)); /* 16 slots ahead */                  \
+                step_##NAME(R, NV, acc, vc + j * stride, pr, ra, rb, j, 1);                                        \
+            }                                                                                                      \
+            for (; j < hi; j++)                                                                                    \
+                step_##NAME(R, NV, acc, vc + j * stride, pr, ra, rb, j, 0);                                        \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                 \
+                const float *p = rh[r].p + (rb[r] - ra[r]);                                                        \
+                for (long i = 0; i < rh[r].ntail; i++) {                                                           \
+                    const T_ *x = vc + rh[r].tail[i] * stride;                                                     \
+                    __m256 w = _mm256_broadcast_ss(p + i);                                                         \
+                    _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++)                                           \
+                        acc[r][c] = _mm256_fmadd_ps(w, LD8(x + 8 * c), acc[r][c]);                                 \
+                }                                                                                                  \
+                _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++)                                               \
+                    _mm256_storeu_ps(rh[r].part + 2 + col + c0 + 8 * c, acc[r][c]);                                \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+#endif
+
+/* The kernel, instantiated for f32 and bf16 storage (T_ the element type, LD_ / ST_ its vector load / store,
+   PAIR_ / ORDER_ / ROW_ as above); its inner loops for a constant number R of (row, head) pairs that share a KV
+   head and so each key tile and value row loaded (one instantiation for each R, dispatched at run time). */
+#define ATTEND_KERNEL(NAME, T_, LD_, ST_, PAIR_, ORDER_, ROW_)                                                     \
+    ATTEND_HOT(NAME, T_, PAIR_, ORDER_, ROW_)                                                                      \
                                                                                                                    \
     /* The instantiations for each R, dispatched at run time */                                                    \
     static void scores_any_##NAME(int R, const float *qt, const T_ *kt, int D, float scale, rowhead *rh,           \
