@@ -3,7 +3,8 @@
 Slots [0, length) hold the keys and values of the tokens seen so far; a forward over T tokens writes slots
 [length, length + T). Rolling back a rejected draft is moving `length` back (no copy). Tree verification writes every
 candidate node into consecutive slots and then `keep()` compacts the accepted path into place. `pos` records each
-slot's RoPE position, which sliding-window layers compare against.
+slot's RoPE position, which sliding-window layers compare against. Where the attention kernel runs, the keys are kept
+only in its transposed tiles and the cache proper holds the values (one copy of each, as llama.cpp's K and V).
 """
 
 from __future__ import annotations
@@ -39,15 +40,29 @@ class ContextFull(Exception):
 
 @dataclass
 class LayerCache:
-    """One layer's view of a pool: kv [1, S, 2 Hkv, D] (keys then values per slot), k_all / v_all [1, Hkv, S, D] views
-    of it, kt [Hkv, S / 32, D, 32] the keys in the attention kernel's tiles (or None), base: the first slot of the
-    sequence the caller works on (SDPA paths; the kernel takes absolute slots)."""
+    """One layer's view of a pool: kv [1, S, 2 Hkv, D] (keys then values per slot) or, where the keys are in the
+    attention kernel's tiles kt [Hkv, S / 32, D, 32], kv [1, S, Hkv, D] the values alone (k_all None); k_all / v_all
+    [1, Hkv, S, D] views of kv; base: the first slot of the sequence the caller works on (SDPA paths; the kernel
+    takes absolute slots). A latent (MLA) cache keeps its one vector per slot in kv and, for the kernel, in kt."""
 
     kv: torch.Tensor
-    k_all: torch.Tensor
+    k_all: torch.Tensor | None
     v_all: torch.Tensor
     kt: torch.Tensor | None
     base: int = 0
+
+    def keys(self, a: int, b: int) -> torch.Tensor:
+        """The keys of absolute slots [a, b): [1, Hkv, b - a, D] (a copy out of the tiles where they live there)."""
+        return self.k_all[:, :, a:b] if self.k_all is not None else kernels.tile_keys(self.kt, a, b)[None]
+
+    def write(self, a: int, new_kv: torch.Tensor) -> None:
+        """Store new_kv [1, T, 2 Hkv, D] (keys then values, RoPE applied) at absolute slots [a, a + T)."""
+        if self.k_all is None:  # values here, keys only in their tiles
+            Hkv = new_kv.shape[2] // 2
+            self.kv[:, a:a + new_kv.shape[1]] = new_kv[:, :, Hkv:]
+            kernels.store_keys(new_kv[:, :, :Hkv], self.kt, a)
+        else:
+            self.kv[:, a:a + new_kv.shape[1]] = new_kv
 
 
 class KVPool:
@@ -56,7 +71,9 @@ class KVPool:
     Sequence slot j owns positions [j M, (j + 1) M) of one long slot space (M = max_len rounded up to the kernel's
     tiles of 32), so one attention-kernel call serves rows of many sequences: each row attends its own absolute
     slots. Memory is taken only as slots are written (lazy_zeros), so a pool of 16 x 4096 costs what its sequences
-    fill. Keys and values side by side, so one copy writes both: kv[l, 0, s, :Hkv] = K, kv[l, 0, s, Hkv:] = V."""
+    fill. With transposed_keys (the attention kernel) the keys are only in the tiles kt and kv[l, 0, s] holds the
+    values; else keys and values side by side, so one copy writes both: kv[l, 0, s, :Hkv] = K, kv[l, 0, s, Hkv:] = V.
+    """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, n_slots: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", transposed_keys: bool = False, latent: bool = False):
@@ -68,12 +85,15 @@ class KVPool:
         S = self.stride * n_slots
         if latent:
             n_kv_heads = 1
-        self.kv = lazy_zeros((n_layers, 1, S, 1 if latent else 2 * n_kv_heads, head_dim), dtype, device)
+        # keys only in the tiles: non-latent caches of the attention kernel
+        self.split = split = transposed_keys and not latent
+        heads = 1 if latent else n_kv_heads if split else 2 * n_kv_heads
+        self.kv = lazy_zeros((n_layers, 1, S, heads, head_dim), dtype, device)
         # per-layer views as attention reads them: [1, Hkv, S, D] (made once; slicing them per step is one op)
-        self.k_all = [self.kv[i, :, :, :n_kv_heads].transpose(1, 2) for i in range(n_layers)]
-        self.v_all = [self.kv[i, :, :, 0 if latent else n_kv_heads:].transpose(1, 2) for i in range(n_layers)]
-        # the keys again, in transposed tiles [layers, Hkv, tiles, D, 32], for the attention kernel
-        # (specdec/kernels/attention.c computes 32 scores at a time from a tile)
+        self.k_all = [None if split else self.kv[i, :, :, :n_kv_heads].transpose(1, 2) for i in range(n_layers)]
+        self.v_all = [self.kv[i, :, :, heads - n_kv_heads:].transpose(1, 2) for i in range(n_layers)]
+        # the keys in transposed tiles [layers, Hkv, tiles, D, 32], for the attention kernel (attention.c computes
+        # 32 scores at a time from a tile): their only copy, except in a latent cache, whose vectors are also values
         self.kt = kernels.key_tiles(n_layers, n_kv_heads, head_dim, S, dtype) if transposed_keys else None
         self.pos = torch.zeros(S, dtype=torch.long, device=device)  # [S] RoPE position of each slot
         self.n_slots = n_slots
@@ -139,8 +159,12 @@ class KVCache:
             b = self.base
             idx = torch.tensor(slots, device=self.kv.device) + b
             self.kv[:, :, b + start:b + start + n] = self.kv[:, :, idx]
-            if self.kt is not None:
-                kernels.store_keys(self.kv, self.kt, b + start, b + start + n)
+            if self.pool.split:  # the keys, tile lane to tile lane
+                to = torch.arange(b + start, b + start + n, device=idx.device)
+                T = kernels.TILE
+                self.kt[:, :, to // T, :, to % T] = self.kt[:, :, idx // T, :, idx % T]
+            elif self.kt is not None:
+                kernels.store_keys(self.kv[:, :, b + start:b + start + n], self.kt, b + start)
             self.pos[start:start + n] = self.pos[idx - b]
         self.length = start + n
 
@@ -149,10 +173,22 @@ class KVCache:
         assert other.pool is self.pool and n <= min(other.length, self.max_len)
         a, b = other.base, self.base
         self.kv[:, :, b:b + n] = self.kv[:, :, a:a + n]
-        if self.kt is not None:
-            kernels.store_keys(self.kv, self.kt, b, b + n)
+        if self.pool.split:  # whole tiles: both sequences start on a tile (the pool's stride is whole tiles)
+            T = kernels.TILE
+            self.kt[:, :, b // T:b // T + -(-n // T)] = self.kt[:, :, a // T:a // T + -(-n // T)]
+        elif self.kt is not None:
+            kernels.store_keys(self.kv[:, :, b:b + n], self.kt, b)
         self.pos[:n] = other.pos[:n]
         self.length = n
+
+    def entries(self, a: int, b: int) -> torch.Tensor:
+        """This sequence's slots [a, b), every layer, wherever their keys are kept: [layers, b - a, 2 Hkv, D] (keys
+        then values; a latent cache: [layers, b - a, 1, D])."""
+        values = self.kv[:, 0, self.base + a:self.base + b]
+        if not self.pool.split:
+            return values
+        keys = kernels.tile_keys(self.kt, self.base + a, self.base + b).transpose(1, 2)
+        return torch.cat([keys, values], dim=2)
 
     @property
     def nbytes(self) -> int:

@@ -13,16 +13,18 @@ pytestmark = pytest.mark.skipif(kernels.attention_lib() is None, reason="no C co
 
 
 def make(H: int, Hkv: int, D: int, S: int, dtype: torch.dtype, seed: int = 0):
+    """kv [1, S, 2 Hkv, D] (keys then values, for the references) and the keys in their tiles."""
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(1, S, 2 * Hkv, D, generator=g).to(dtype)
     kt = kernels.key_tiles(1, Hkv, D, S, dtype)[0]
-    kernels.store_keys(kv, kt, 0, S)
+    kernels.store_keys(kv[:, :, :Hkv], kt, 0)
     return kv, kt
 
 
 def run(qkv, kv, kt, H, Hkv, start, tails, window=None, scale=0.125):
+    """The kernel over kv's values (the kernel's cache holds only values) and the key tiles kt."""
     spans, tail = kernels.row_spans([(0, start, [int(x) for x in t]) for t in tails], window)
-    return kernels.attend(qkv, kv, kt, H, Hkv, spans, tail, scale)
+    return kernels.attend(qkv, kv[:, :, Hkv:].contiguous(), kt, H, Hkv, spans, tail, scale)
 
 
 def sdpa(qkv, kv, H, Hkv, slots, scale=0.125):
@@ -56,8 +58,8 @@ def test_chain_rows_equal_decode_steps_bitwise(dtype, H, Hkv, D):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 2, 16), (8, 2, 128)])
 def test_rope_store_is_apply_rope_then_the_cache_writes(dtype, H, Hkv, D):
-    """rope_store() does in one call what the PyTorch path does: RoPE on the query and key heads, the keys and values
-    into the cache at slots start.., the keys into their tiles; each row alone (batch-invariant)."""
+    """rope_store() does in one call what the PyTorch path does: RoPE on the query and key heads, the values into
+    the cache at slots start.., the keys into their tiles (their only copy); each row alone (batch-invariant)."""
     from specdec.models.transformer import Rope, apply_rope, rope_inv_freq
 
     S, start, T = 100, 61, 5
@@ -65,20 +67,26 @@ def test_rope_store_is_apply_rope_then_the_cache_writes(dtype, H, Hkv, D):
     pos = torch.arange(start, start + T)
     qkv = torch.randn(1, T, H + 2 * Hkv, D, generator=torch.Generator().manual_seed(2)).to(dtype)
     kv, kt = make(H, Hkv, D, S, dtype)
-    kv2, kt2 = kv.clone(), kt.clone()
+    vals = kv[:, :, Hkv:].contiguous()
+    vals2, kt2 = vals.clone(), kt.clone()
     ref = apply_rope(qkv.float(), *rope.tables(pos, H + Hkv, Hkv)).to(dtype)
-    kv2[:, start:start + T] = ref[:, :, H:]
-    kernels.store_keys(kv2, kt2, start, start + T)
+    vals2[:, start:start + T] = ref[:, :, H + Hkv:]
+    kernels.store_keys(ref[:, :, H:H + Hkv], kt2, start)
     got = qkv.clone()
-    kernels.rope_store(got, kv, kt, *rope.rows(pos), torch.arange(start, start + T), H, Hkv)
+    kernels.rope_store(got, vals, kt, *rope.rows(pos), torch.arange(start, start + T), H, Hkv)
     tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the same f32 result, or the next value
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(kv.float(), kv2.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(vals.float(), vals2.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(kt.float(), kt2.float(), atol=tol, rtol=tol)
-    assert torch.equal(kv[:, start:start + T], got[0, :, H:][None]) and torch.equal(kv[:, :start], kv2[:, :start])
+    assert torch.equal(vals[:, start:start + T], got[0, :, H + Hkv:][None])
+    assert torch.equal(vals[:, :start], vals2[:, :start]) and torch.equal(vals[:, start + T:], vals2[:, start + T:])
+    # the tiles hold exactly the rotated keys at slots start.., and the other slots' keys unchanged
+    assert torch.equal(kernels.tile_keys(kt, start, start + T), got[0, :, H:H + Hkv].transpose(0, 1))
+    assert torch.equal(kernels.tile_keys(kt, 0, start), kv[0, :start, :Hkv].transpose(0, 1))
     for i in range(T):  # a row alone is bitwise the same row of the batch
         one = qkv[:, i:i + 1].clone()
-        kernels.rope_store(one, kv.clone(), kt.clone(), *rope.rows(pos[i:i + 1]), torch.tensor([start + i]), H, Hkv)
+        kernels.rope_store(one, vals.clone(), kt.clone(), *rope.rows(pos[i:i + 1]), torch.tensor([start + i]), H,
+                           Hkv)
         assert torch.equal(one[0, 0], got[0, i])
 
 
@@ -93,7 +101,7 @@ def test_tree_paths_equal_decoding_the_path_laid_out(window):
     tree = run(qkv, kv, kt, H, Hkv, start, [start + torch.tensor(path)], window)
     lay_kv, lay_kt = kv.clone(), kt.clone()  # compact the path's slots to start, start + 1, ...
     lay_kv[:, start:start + 4] = kv[:, [start + r for r in path]]
-    kernels.store_keys(lay_kv, lay_kt, start, start + 4)
+    kernels.store_keys(lay_kv[:, start:start + 4, :Hkv], lay_kt, start)
     last = start + len(path) - 1
     alone = run(qkv, lay_kv, lay_kt, H, Hkv, last, [torch.tensor([last])], window)
     assert torch.equal(tree, alone)
@@ -118,7 +126,7 @@ def test_tree_rows_in_one_call_equal_decoding_each_path(dtype, start, window):
     for i, path in enumerate(rows):
         lay_kv, lay_kt = kv.clone(), kt.clone()
         lay_kv[:, start:start + len(path)] = kv[:, [start + r for r in path]]
-        kernels.store_keys(lay_kv, lay_kt, start, start + len(path))
+        kernels.store_keys(lay_kv[:, start:start + len(path), :Hkv], lay_kt, start)
         last = start + len(path) - 1
         alone = run(qkv[:, i:i + 1].contiguous(), lay_kv, lay_kt, H, Hkv, last, [torch.tensor([last])], window)
         assert torch.equal(tree[:, i], alone[:, 0]), (i, path)
@@ -153,7 +161,7 @@ def test_latent_rows_equal_decode_steps_and_sdpa(dtype, H, D, Dv):
     g = torch.Generator().manual_seed(1)
     kv = torch.randn(1, S, 1, D, generator=g).to(dtype)
     kt = kernels.key_tiles(1, 1, D, S, dtype)[0]
-    kernels.store_keys(kv, kt, 0, S)
+    kernels.store_keys(kv, kt, 0)
     scale = D ** -0.5
 
     def latent(q, rows):

@@ -149,7 +149,7 @@ def test_rollback_leaves_caches_as_if_never_drafted(target, tiny_draft):
             for i, t in enumerate(r.out[:used.length - len(ids)]):
                 model(torch.tensor([[t]]), torch.tensor([len(ids) + i]), fresh)
             assert fresh.length == used.length
-            assert torch.equal(used.kv[:, :, :used.length], fresh.kv[:, :, :used.length])
+            assert torch.equal(used.entries(0, used.length), fresh.entries(0, used.length))
             nxt = torch.tensor([[r.out[-1]]])
             a, _ = model(nxt, torch.tensor([used.length]), used)
             b, _ = model(nxt, torch.tensor([fresh.length]), fresh)

@@ -132,22 +132,32 @@ def key_tiles(n_layers: int, n_kv: int, head_dim: int, max_len: int, dtype: torc
     return lazy_zeros((n_layers, n_kv, -(-max_len // TILE), head_dim, TILE), dtype)
 
 
-def store_keys(kv: torch.Tensor, kt: torch.Tensor, start: int, end: int) -> None:
-    """Copy the keys of slots [start, end) from a cache kv [1, S, 2 Hkv, D] into its tiles kt [Hkv, tiles, D, 32]:
-    one layer, or every layer of KVCache.kv [layers, 1, S, 2 Hkv, D] / KVCache.kt [layers, Hkv, tiles, D, 32]
-    (both contiguous, as KVCache makes them)."""
-    every = kv.dim() == 5
-    Hkv, tiles, D, _ = kt.shape[-4:]
-    attention_lib().specdec_store_keys(kv.data_ptr(), kt.data_ptr(), kv.shape[0] if every else 1,
-                                       kv.stride(0) if every else 0, kt.stride(0) if every else 0, tiles, Hkv, D,
-                                       kv.shape[-2] * kv.shape[-1], start, end, kv.element_size())
+def store_keys(keys: torch.Tensor, kt: torch.Tensor, start: int) -> None:
+    """Write keys [1, n, Hkv, D] of one layer (or [layers, 1, n, Hkv, D] of every layer; contiguous in their last two
+    dims, e.g. a slice of a qkv projection or of a latent cache) into the tiles kt [Hkv, tiles, D, 32] ([layers,
+    ...], contiguous) at slots [start, start + n)."""
+    every = keys.dim() == 5
+    n, Hkv, D = keys.shape[-3:]
+    if keys.stride(-1) != 1 or keys.stride(-2) != D:
+        keys = keys.contiguous()
+    assert kt.is_contiguous() and keys.dtype == kt.dtype and kt.shape[-4] == Hkv and kt.shape[-2] == D
+    attention_lib().specdec_store_keys(keys.data_ptr(), kt.data_ptr(), keys.shape[0] if every else 1,
+                                       keys.stride(0) if every else 0, kt.stride(0) if every else 0, kt.shape[-3],
+                                       Hkv, D, keys.stride(-3), start, start + n, keys.element_size())
+
+
+def tile_keys(kt: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """The keys of slots [a, b) out of tiles kt [..., Hkv, tiles, D, 32] -> [..., Hkv, b - a, D] (a copy)."""
+    t0, t1 = a // TILE, -(-b // TILE)
+    k = kt[..., t0:t1, :, :].transpose(-1, -2)  # [..., Hkv, t1 - t0, 32, D]
+    return k.reshape(*k.shape[:-3], -1, k.shape[-1])[..., a - t0 * TILE:b - t0 * TILE, :]
 
 
 def rope_store(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                slots: torch.Tensor, n_heads: int, n_kv: int) -> None:
     """RoPE on qkv's query and key heads in place (qkv [1, T, H + 2 Hkv, D], contiguous; cos, sin f32 [T, D]: the
-    Rope tables' rows at the T positions), then row t's key and value stored at slot slots[t] (int64 [T]) of one
-    layer's cache kv [1, S, 2 Hkv, D] and the key in its tiles kt [Hkv, tiles, D, 32] (see attention.c)."""
+    Rope tables' rows at the T positions), then row t's value stored at slot slots[t] (int64 [T]) of one layer's
+    values kv [1, S, Hkv, D] and its key in the key tiles kt [Hkv, tiles, D, 32] (see attention.c)."""
     _, T, _, D = qkv.shape
     assert qkv.is_contiguous() and kv.is_contiguous() and kt.is_contiguous() and qkv.dtype == kv.dtype == kt.dtype
     assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
@@ -158,8 +168,8 @@ def rope_store(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, cos: torch
 
 def attend(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, n_heads: int, n_kv: int, spans: torch.Tensor,
            tails: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of qkv's query heads (qkv [1, T, H + 2 Hkv, D], contiguous, queries first) over one layer's cache
-    kv [1, S, 2 Hkv, D] and its key tiles kt [Hkv, tiles, D, 32], each row over its own slots (row_spans)
+    """Attention of qkv's query heads (qkv [1, T, H + 2 Hkv, D], contiguous, queries first) over one layer's values
+    kv [1, S, Hkv, D] and key tiles kt [Hkv, tiles, D, 32], each row over its own slots (row_spans)
     -> [1, T, H * D]."""
     _, T, _, D = qkv.shape
     assert qkv.is_contiguous() and kv.is_contiguous() and kt.is_contiguous() and qkv.dtype == kv.dtype == kt.dtype

@@ -563,8 +563,9 @@ static int run_unit(const void *q, long q_stride, const void *kv, const void *kt
             rh[r].part = parts + ((long)(t * H + h) * 2 + half) * (Dv + 2);
         }
     }
-    /* a slot's value: head Hkv + kvh of its 2 Hkv heads, or (latent) the first Dv elements of its one vector */
-    long voff = latent ? 0 : (long)(Hkv + kvh) * D, stride = latent ? D : 2L * Hkv * D;
+    /* a slot's value: head kvh of its Hkv value heads (the keys are only in the tiles), or (latent) the first Dv
+       elements of its one vector */
+    long voff = latent ? 0 : (long)kvh * D, stride = latent ? D : (long)Hkv * D;
     if (bf16)
         unit_attend_bf16(rh, nr, (const uint16_t *)kv + voff, stride, (const uint16_t *)kt + kvh * tiles * D * BLOCK,
                          D, Dv, scale, base, qt);
@@ -574,8 +575,8 @@ static int run_unit(const void *q, long q_stride, const void *kv, const void *kt
     return 0;
 }
 
-/* q: T rows of H heads of D (row stride q_stride elements, head stride D); kv: one layer's cache [S, 2 Hkv, D]
-   (keys in heads 0..Hkv-1, values in Hkv..2Hkv-1); kt: the same keys in tiles [Hkv, tiles, D, 32] (store_keys).
+/* q: T rows of H heads of D (row stride q_stride elements, head stride D); kv: one layer's values [S, Hkv, D];
+   kt: its keys, in tiles [Hkv, tiles, D, 32] (their only copy: rope_store / store_keys write them).
    Row t attends the slots lo[t] .. hi[t] - 1, then tails[toff[t] .. toff[t + 1]) (at least one slot in all);
    out: [T, H, D] contiguous. D must be 16, 32, 64, 128 or 256. Returns 0, -1 when memory runs out, -2 for an
    unsupported D. (specdec_attend_latent: the same for multi-head latent attention.)
@@ -668,19 +669,19 @@ int specdec_attend_latent(const void *q, long q_stride, const void *kv, const vo
     return attend(q, q_stride, kv, kt, tiles, H, 1, D, Dv, 1, T, lo, hi, tails, toff, scale, out, bf16);
 }
 
-/* Copy the keys of slots start..end-1 from kv [S, 2 Hkv, D] (or a latent cache [S, 1, D]: row = elements per slot)
-   into the tiles kt [Hkv, tiles, D, 32], for n_layers layers (kv_layer / kt_layer: elements between layers);
-   esize: bytes per element (2 or 4). */
+/* Copy keys [n_layers][end - start][Hkv][D] (the key of slot x at keys + layer * kv_layer + (x - start) * row:
+   rows of a qkv projection, or a latent cache's own rows [S, 1, D]) into the tiles kt [Hkv, tiles, D, 32], for
+   n_layers layers (kv_layer / kt_layer: elements between layers); esize: bytes per element (2 or 4). */
 #define STORE_KEYS(T_)                                                                                             \
     for (int layer = 0; layer < n_layers; layer++)                                                                 \
         for (long x = start; x < end; x++)                                                                         \
             for (int h = 0; h < Hkv; h++) {                                                                        \
-                const T_ *src = (const T_ *)kv + layer * kv_layer + x * row + h * D;                               \
+                const T_ *src = (const T_ *)keys + layer * kv_layer + (x - start) * row + h * D;                   \
                 T_ *dst = (T_ *)kt + layer * kt_layer + (h * tiles + x / BLOCK) * D * BLOCK + x % BLOCK;           \
                 for (int d = 0; d < D; d++)                                                                        \
                     dst[d * BLOCK] = src[d];                                                                       \
             }
-void specdec_store_keys(const void *kv, void *kt, int n_layers, long kv_layer, long kt_layer, long tiles, int Hkv,
+void specdec_store_keys(const void *keys, void *kt, int n_layers, long kv_layer, long kt_layer, long tiles, int Hkv,
                         int D, long row, long start, long end, int esize) {
     if (esize == 2) {
         STORE_KEYS(uint16_t)
@@ -719,7 +720,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
                 x[d] = STORE(y[d]);                                                                                \
         }                                                                                                          \
         long slot = (long)slots[t];                                                                                \
-        memcpy((T_ *)kv + slot * 2 * Hkv * D, row + (long)H * D, sizeof(T_) * 2 * Hkv * D);                        \
+        memcpy((T_ *)kv + slot * Hkv * D, row + (long)(H + Hkv) * D, sizeof(T_) * Hkv * D); /* the value */        \
         for (int h = 0; h < Hkv; h++) {                                                                            \
             T_ *dst = (T_ *)kt + ((long)h * tiles + slot / BLOCK) * D * BLOCK + slot % BLOCK;                      \
             for (int d = 0; d < D; d++)                                                                            \
@@ -730,9 +731,9 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 /* RoPE (Su et al. 2021) on the query and key heads of qkv [T, H + 2 Hkv, D], in place: x cos + rotate_half(x) sin,
    rotate_half being a roll by D / 2 with its sign folded into sin (cos, sin: f32 [T, D], the rows of the tables of
-   models/transformer.py's Rope at the T positions); then row t's key and value stored at slot slots[t] of one
-   layer's cache kv [S, 2 Hkv, D] (rows of several sequences go to their own slots), and the key in its tiles
-   kt [Hkv, tiles, D, 32]. One call
+   models/transformer.py's Rope at the T positions); then row t's value stored at slot slots[t] of one layer's
+   value cache kv [S, Hkv, D] (rows of several sequences go to their own slots), and its key in the key tiles
+   kt [Hkv, tiles, D, 32], the keys' only copy. One call
    instead of the handful of small PyTorch ops a decode step would spend on it per layer. Each row is computed on
    its own, so batch invariance is kept. esize: bytes per element (2: bf16, 4: f32). */
 void specdec_rope_store(void *qkv, int T, int H, int Hkv, int D, const float *cos, const float *sin, void *kv,

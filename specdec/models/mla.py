@@ -138,7 +138,7 @@ class MLAttention:
         b, L = c.base, start + T
         c.kv[:, b + start:b + L, 0] = latent
         if c.kt is not None:  # a prefill ("masked") of a cache whose decode steps run in the kernel
-            kernels.store_keys(c.kv, c.kt, b + start, b + L)
+            kernels.store_keys(c.kv[:, b + start:b + L], c.kt, b + start)
 
         def over(q: torch.Tensor, end: int, mask: torch.Tensor | None = None) -> torch.Tensor:
             kv = c.kv[:, b:b + end].transpose(1, 2)  # [1, 1, end, r + d_r]: keys, and (first r) values

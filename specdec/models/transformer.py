@@ -212,7 +212,7 @@ class Block:
         """Scaled dot-product attention of q [B, H, T, D] over the sequence's slots [first, end), GQA without
         copies."""
         first = max(0, end - window) if window else 0
-        return F.scaled_dot_product_attention(q, c.k_all[:, :, c.base + first:c.base + end],
+        return F.scaled_dot_product_attention(q, c.keys(c.base + first, c.base + end),
                                               c.v_all[:, :, c.base + first:c.base + end], attn_mask=mask,
                                               scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
 
@@ -286,9 +286,7 @@ class Block:
         b = c.base
         qkv = apply_rope(qkv, *rope)
         new_kv = qkv[:, :, H:]  # [B, T, 2 Hkv, D]
-        c.kv[:, b + start:b + L] = new_kv
-        if c.kt is not None:
-            kernels.store_keys(c.kv, c.kt, b + start, b + L)
+        c.write(b + start, new_kv)
         q = qkv[:, :, :H].transpose(1, 2)  # [B, H, T, D]
         if plan.kind == "masked":
             mask = plan.sliding if window else plan.full
@@ -300,9 +298,9 @@ class Block:
             for i, path in enumerate(plan.paths):
                 # lay this node's root-to-node path into consecutive slots: exactly the cache a decode step of
                 # this token would see after the path had been accepted
-                c.kv[:, b + start:b + start + len(path)] = new_kv[:, path]
+                c.write(b + start, new_kv[:, path])
                 outs.append(self.attend(q[:, :, i:i + 1], c, start + len(path), None, window))
-            c.kv[:, b + start:b + L] = new_kv  # node order again, for cache.keep() after verification
+            c.write(b + start, new_kv)  # node order again, for cache.keep() after verification
             return torch.cat(outs, dim=2)
         # a single new token sees every earlier slot
         return self.attend(q, c, L, None, window)
