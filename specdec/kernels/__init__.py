@@ -242,7 +242,7 @@ def set_amx(on: bool) -> bool:
 
 @functools.cache
 def forward_lib() -> ctypes.CDLL | None:
-    """forward.c: a forward's decoder layers in one call (Llama-family dense layers on the kernel plan), or None
+    """forward.c: a forward's decoder layers in one call (Llama / Gemma 3 dense layers on the kernel plan), or None
     (no compiler, or the matmul / attention kernels missing): the layers are then called one kernel at a time."""
     if matmul_lib() is None or attention_lib() is None:
         return None
@@ -252,7 +252,8 @@ def forward_lib() -> ctypes.CDLL | None:
     ptr, i, c_long, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     dll.specdec_layers.restype = i
     dll.specdec_layers.argtypes = [ptr, i, i, ptr, ptr, c_long, i, i, i, i, i, i, f, f, i, ptr, ptr, ptr, ptr, ptr,
-                                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i, ptr, ptr, ptr, c_long]
+                                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i, ptr, ptr, ptr,
+                                   c_long]
     dll.fns = [ctypes.cast(fn, ctypes.c_void_p).value for fn in
                (matmul_lib().specdec_matmul, attention_lib().specdec_rope_store, attention_lib().specdec_attend)]
     return dll

@@ -1,8 +1,11 @@
-/* The decoder layers of a forward in one call: for Llama-family dense layers on the "kernel" attention plan, the
-   six kernel calls of a layer (fused RMSNorm + QKV projection, RoPE and cache writes, attention, output projection
+/* The decoder layers of a forward in one call: for Llama-family and Gemma 3 dense layers on the "kernel" attention
+   plan, the six kernel calls of a layer (fused RMSNorm + QKV projection, RoPE and cache writes, attention, output projection
    + residual, fused RMSNorm + gate/up + SwiGLU, down projection + residual) issued from C for layers [i0, i1),
    instead of from Python, where each call cost ~5-7 us of wrapper code (tensor allocation, checks, ctypes) on top
-   of its kernel: ~1 ms of a 3.9 ms SmolLM2 decode step (docs/results/forward-fast.txt).
+   of its kernel: ~1 ms of a 3.9 ms SmolLM2 decode step (docs/results/forward-fast.txt). Gemma 3's extra steps (q / k
+   head norms, the norms after attention and FFN, GELU) run here in plain C, each row alone (so batch-invariant),
+   instead of ~25 small PyTorch ops a layer (docs/results/forward-gemma.txt); their roundings are not those of the
+   PyTorch ops, so for Gemma the two paths agree closely, not bitwise (tested).
 
    The kernels are the very functions the Python path calls (their addresses in the loaded matmul and attention
    libraries), with the same arguments, so every output is bitwise the Python path's (tested). The residual stream
@@ -12,6 +15,7 @@
    caller's hidden-output rows, instead of splitting the loop at each aux layer and copying in Python: that cost
    ~0.2 ms of a 3.1 ms SmolLM2 step (docs/results/eagle3-step.txt). */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -25,10 +29,76 @@ typedef int (*attend_fn)(const void *q, long q_stride, const void *kv, const voi
                          const int64_t *toff, float scale, void *out, int bf16);
 
 /* One layer's record, int64 fields: for each of the four linear layers (qkv, o, gate/up, down) its codes, scales,
-   zeros (0: none), bits and output rows; then the two norms' f32 weights and whether the layer is sliding. */
-enum { LIN = 5, QKV = 0, O = LIN, W13 = 2 * LIN, W2 = 3 * LIN, ATTN_NORM = 4 * LIN, FFN_NORM, SLIDING, FIELDS };
+   zeros (0: none), bits and output rows; then the two norms' f32 weights and whether the layer is sliding; then
+   Gemma 3's parts (0 where a layer has none): the q / k heads' RMSNorm weights (f32 [H + Hkv, D]), the norms after
+   the attention and after the FFN ("sandwich", f32 [dim]), and whether the FFN's gate is GELU (tanh) instead of
+   SiLU. */
+enum {
+    LIN = 5, QKV = 0, O = LIN, W13 = 2 * LIN, W2 = 3 * LIN, ATTN_NORM = 4 * LIN, FFN_NORM, SLIDING, QK_NORM,
+    POST_ATTN_NORM, POST_FFW_NORM, GELU, FIELDS
+};
 
 #define P(v) ((void *)(intptr_t)(v))
+
+static inline float get(const void *x, int bf16, long i) {
+    if (!bf16) return ((const float *)x)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline void put(void *x, int bf16, long i, float f) {
+    if (!bf16) {
+        ((float *)x)[i] = f;
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    ((uint16_t *)x)[i] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16); /* round to nearest even, as torch */
+}
+
+/* 1 / sqrt(mean(x^2) + eps) of row x[0..n), the sum in f32 in element order */
+static inline float inv_rms(const void *x, int bf16, long at, int n, float eps) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float v = get(x, bf16, at + i);
+        ss += v * v;
+    }
+    return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+/* RMSNorm (Zhang & Sennrich 2019) of each of the n_heads heads (D wide) of each of T rows of width row, in place,
+   times w [n_heads, D] (Gemma 3's q / k norms: each row computed alone, so batch-invariant) */
+static void head_norms(void *x, int bf16, int T, long row, int n_heads, int D, const float *w, float eps) {
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < n_heads; h++) {
+            long at = t * row + (long)h * D;
+            float r = inv_rms(x, bf16, at, D, eps);
+            for (int d = 0; d < D; d++) put(x, bf16, at + d, get(x, bf16, at + d) * r * w[h * D + d]);
+        }
+}
+
+/* x += RMSNorm(y) w, row by row (the sandwich norm before a residual add, Gemma 2 / 3) */
+static void norm_add(void *x, const void *y, int bf16, int T, int dim, const float *w, float eps) {
+    for (int t = 0; t < T; t++) {
+        long at = (long)t * dim;
+        float r = inv_rms(y, bf16, at, dim, eps);
+        for (int i = 0; i < dim; i++)
+            put(x, bf16, at + i, get(x, bf16, at + i) + get(y, bf16, at + i) * r * w[i]);
+    }
+}
+
+/* h [T, 2 ffn] (gate | up per row) -> [T, ffn] in place: GELU (tanh approximation, Hendrycks & Gimpel 2016) of the
+   gate times up; rows in order, so row t's output never overwrites an input not yet read */
+static void gelu_mul(void *h, int bf16, int T, int ffn) {
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < ffn; i++) {
+            float g = get(h, bf16, 2L * t * ffn + i), u = get(h, bf16, (2L * t + 1) * ffn + i);
+            float e = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+            put(h, bf16, (long)t * ffn + i, e * u);
+        }
+}
 
 static int linear(matmul_fn mm, const int64_t *l, const void *x, int T, int K, void *y, int bf16,
                   const float *norm, float eps, int swiglu, const void *residual) {
@@ -36,13 +106,13 @@ static int linear(matmul_fn mm, const int64_t *l, const void *x, int T, int K, v
 }
 
 /* layers [i0, i1) of records L over T rows: x [T, dim] (in place), scratch qkv [T, (H + 2 Hkv) D], o [T, H D],
-   h [T, ffn]; kv / kt: each layer's values [S, Hkv, D] and key tiles; cos / sin (and the local tables of sliding layers) f32
+   h [T, 2 ffn], y [T, dim]; kv / kt: each layer's values [S, Hkv, D] and key tiles; cos / sin (and the local tables of sliding layers) f32
    [T, D]; slots [T]; spans / tails of the full and the sliding plan (kernels.row_spans); n_feat features: layer
    feat_layer[j]'s input rows copied to feats [T, feat_row] at column feat_col[j]. Returns 0, or the first failing
    kernel's code (-1: out of memory, -2: shapes). */
 int specdec_layers(const int64_t *L, int i0, int i1, const int64_t *kv, const int64_t *kt, long tiles, int T,
                    int dim, int H, int Hkv, int D, int ffn, float eps, float scale, int bf16, void *x, void *qkv,
-                   void *o, void *h, const float *cos, const float *sin, const float *cos_l, const float *sin_l,
+                   void *o, void *h, void *y, const float *cos, const float *sin, const float *cos_l, const float *sin_l,
                    const int64_t *slots, const int64_t *spans_f, const int64_t *tails_f, const int64_t *spans_s,
                    const int64_t *tails_s, const void *mm_p, const void *rope_p, const void *att_p, int n_feat,
                    const int64_t *feat_layer, const int64_t *feat_col, void *feats, long feat_row) {
@@ -60,13 +130,25 @@ int specdec_layers(const int64_t *L, int i0, int i1, const int64_t *kv, const in
                     memcpy((char *)feats + ((long)t * feat_row + feat_col[j]) * esize, (char *)x + (long)t * dim * esize,
                            (size_t)dim * esize);
         if ((rc = linear(mm, l + QKV, x, T, dim, qkv, bf16, P(l[ATTN_NORM]), eps, 0, 0))) return rc;
+        if (l[QK_NORM]) head_norms(qkv, bf16, T, (long)(H + 2 * Hkv) * D, H + Hkv, D, P(l[QK_NORM]), eps);
         rope(qkv, T, H, Hkv, D, sl ? cos_l : cos, sl ? sin_l : sin, P(kv[i]), P(kt[i]), tiles, slots, esize);
         rc = att(qkv, (long)(H + 2 * Hkv) * D, P(kv[i]), P(kt[i]), tiles, H, Hkv, D, T, spans, spans + T, tails,
                  spans + 2 * T, scale, o, bf16);
         if (rc) return rc;
-        if ((rc = linear(mm, l + O, o, T, H * D, x, bf16, 0, 0.0f, 0, x))) return rc;
-        if ((rc = linear(mm, l + W13, x, T, dim, h, bf16, P(l[FFN_NORM]), eps, 1, 0))) return rc;
-        if ((rc = linear(mm, l + W2, h, T, ffn, x, bf16, 0, 0.0f, 0, x))) return rc;
+        if (l[POST_ATTN_NORM]) {
+            if ((rc = linear(mm, l + O, o, T, H * D, y, bf16, 0, 0.0f, 0, 0))) return rc;
+            norm_add(x, y, bf16, T, dim, P(l[POST_ATTN_NORM]), eps);
+        } else if ((rc = linear(mm, l + O, o, T, H * D, x, bf16, 0, 0.0f, 0, x))) {
+            return rc;
+        }
+        if ((rc = linear(mm, l + W13, x, T, dim, h, bf16, P(l[FFN_NORM]), eps, !l[GELU], 0))) return rc;
+        if (l[GELU]) gelu_mul(h, bf16, T, ffn);
+        if (l[POST_FFW_NORM]) {
+            if ((rc = linear(mm, l + W2, h, T, ffn, y, bf16, 0, 0.0f, 0, 0))) return rc;
+            norm_add(x, y, bf16, T, dim, P(l[POST_FFW_NORM]), eps);
+        } else if ((rc = linear(mm, l + W2, h, T, ffn, x, bf16, 0, 0.0f, 0, x))) {
+            return rc;
+        }
     }
     return 0;
 }

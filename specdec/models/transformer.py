@@ -323,16 +323,17 @@ def cache_shape(args: ModelArgs) -> tuple[int, int]:
 
 
 def layer_records(layers: list[Block], window: int | None) -> torch.Tensor | None:
-    """kernels/forward.c's records of `layers` (int64 [layers, 23]: the four linear layers' codes, scales, zeros,
-    bits and rows, the two norms, sliding or not) when every one is a Llama-family dense layer whose linear layers
-    run in the matmul kernel and the forward kernel is built; else None."""
+    """kernels/forward.c's records of `layers` (int64 [layers, 27]: the four linear layers' codes, scales, zeros,
+    bits and rows, the two norms, sliding or not, then Gemma 3's q / k norms, sandwich norms and GELU flag) when
+    every one is a Llama-family or Gemma 3 dense layer whose linear layers run in the matmul kernel and the forward
+    kernel is built; else None. The f32 tensors the records point to are kept on the layers."""
     if kernels.forward_lib() is None:
         return None
     rows = []
     for layer in layers:
         lins = tuple(getattr(layer, name, None) for name in ("wqkv", "wo", "w13", "w2"))
-        if (layer.moe is not None or layer.mla is not None or layer.qk_norm is not None or layer.sandwich
-                or layer.gelu or not all(getattr(lin, "native", False) and lin.bias is None for lin in lins)
+        if (layer.moe is not None or layer.mla is not None
+                or not all(getattr(lin, "native", False) and lin.bias is None for lin in lins)
                 or lins[2].out_features % 32):
             return None
         row = []
@@ -340,8 +341,12 @@ def layer_records(layers: list[Block], window: int | None) -> torch.Tensor | Non
             row += [lin.weight.data_ptr(), lin.scales.data_ptr(),
                     lin.zeros.data_ptr() if getattr(lin, "zeros", None) is not None else 0, lin.bits,
                     lin.out_features]
+        if layer.qk_norm is not None and getattr(layer, "qk_norm_f32", None) is None:
+            layer.qk_norm_f32 = layer.qk_norm.float().contiguous()
+        qk = layer.qk_norm_f32.data_ptr() if layer.qk_norm is not None else 0
+        post = [n.weight.data_ptr() if n is not None else 0 for n in (layer.post_attention_norm, layer.post_ffw_norm)]
         rows.append(row + [layer.attn_norm.weight.data_ptr(), layer.ffn_norm.weight.data_ptr(),
-                           int(layer.sliding and window is not None)])
+                           int(layer.sliding and window is not None), qk, *post, int(layer.gelu)])
     return torch.tensor(rows, dtype=torch.int64)
 
 
@@ -532,16 +537,17 @@ class Transformer:
         x = x.contiguous().clone()  # updated in place
         qkv = torch.empty(T, (H + 2 * Hkv) * D, dtype=x.dtype)
         o = torch.empty(T, H * D, dtype=x.dtype)
-        h = torch.empty(T, layer0.ffn_dim, dtype=x.dtype)
+        h = torch.empty(T, 2 * layer0.ffn_dim, dtype=x.dtype)  # gate | up before GELU (SwiGLU uses half)
+        y = torch.empty(T, a.dim, dtype=x.dtype) if layer0.sandwich else o  # a projection before its norm
         (spans_f, tails_f), (spans_s, tails_s) = plan.full, plan.sliding
         (cos, sin), (cos_l, sin_l) = rope, rope_local
         rc = lib.specdec_layers(
             records.data_ptr(), 0, len(self.layers), ptrs[0].data_ptr(), ptrs[1].data_ptr(),
             pool.layers[0].kt.shape[1], T, a.dim, H, Hkv, D, layer0.ffn_dim, layer0.eps, layer0.scale,
-            kernels.DTYPES[x.dtype], x.data_ptr(), qkv.data_ptr(), o.data_ptr(), h.data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), plan.slots.data_ptr(), spans_f.data_ptr(),
-            tails_f.data_ptr(), spans_s.data_ptr(), tails_s.data_ptr(), *lib.fns, len(aux), where[0].data_ptr(),
-            where[1].data_ptr(), feats.data_ptr() if aux else None, feats.shape[1] if aux else 0)
+            kernels.DTYPES[x.dtype], x.data_ptr(), qkv.data_ptr(), o.data_ptr(), h.data_ptr(), y.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), plan.slots.data_ptr(),
+            spans_f.data_ptr(), tails_f.data_ptr(), spans_s.data_ptr(), tails_s.data_ptr(), *lib.fns, len(aux),
+            where[0].data_ptr(), where[1].data_ptr(), feats.data_ptr() if aux else None, feats.shape[1] if aux else 0)
         if rc != 0:
             raise MemoryError("a kernel ran out of memory") if rc == -1 else ValueError("kernel shapes")
         return x
