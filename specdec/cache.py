@@ -174,8 +174,8 @@ class KVCache:
         a, b = other.base, self.base
         self.kv[:, :, b:b + n] = self.kv[:, :, a:a + n]
         if self.pool.split:  # whole tiles: both sequences start on a tile (the pool's stride is whole tiles)
-            T = kernels.TILE
-            self.kt[:, :, b // T:b // T + -(-n // T)] = self.kt[:, :, a // T:a // T + -(-n // T)]
+            T, tiles = kernels.TILE, -(-n // kernels.TILE)
+            self.kt[:, :, b // T:b // T + tiles] = self.kt[:, :, a // T:a // T + tiles]
         elif self.kt is not None:
             kernels.store_keys(self.kv[:, :, b:b + n], self.kt, b)
         self.pos[:n] = other.pos[:n]

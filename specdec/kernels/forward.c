@@ -1,15 +1,17 @@
-/* The decoder layers of a forward in one call: for Llama-family and Gemma 3 dense layers on the "kernel" attention
-   plan, the six kernel calls of a layer (fused RMSNorm + QKV projection, RoPE and cache writes, attention, output projection
-   + residual, fused RMSNorm + gate/up + SwiGLU, down projection + residual) issued from C for layers [i0, i1),
-   instead of from Python, where each call cost ~5-7 us of wrapper code (tensor allocation, checks, ctypes) on top
-   of its kernel: ~1 ms of a 3.9 ms SmolLM2 decode step (docs/results/forward-fast.txt). Gemma 3's extra steps (q / k
-   head norms, the norms after attention and FFN, GELU) run here in plain C, each row alone (so batch-invariant),
-   instead of ~25 small PyTorch ops a layer (docs/results/forward-gemma.txt); their roundings are not those of the
-   PyTorch ops, so for Gemma the two paths agree closely, not bitwise (tested).
+/* The decoder layers of a forward in one call: for Llama-family, Qwen3 and Gemma 3 dense layers on the "kernel"
+   attention plan, the six kernel calls of a layer (fused RMSNorm + QKV projection, RoPE and cache writes, attention,
+   output projection + residual, fused RMSNorm + gate/up + SwiGLU, down projection + residual) issued from C for
+   layers [i0, i1), instead of from Python, where each call cost ~5-7 us of wrapper code (tensor allocation, checks,
+   ctypes) on top of its kernel: ~1 ms of a 3.9 ms SmolLM2 decode step (docs/results/forward-fast.txt). The q / k
+   head norms (Qwen3, Gemma 3) and Gemma's norms after attention and FFN and its GELU run here in plain C, each row
+   alone (so batch-invariant), instead of ~25 small PyTorch ops a Gemma layer (docs/results/forward-gemma.txt); their
+   roundings are not those of the PyTorch ops, so for those layers the two paths agree closely, not bitwise
+   (tested).
 
    The kernels are the very functions the Python path calls (their addresses in the loaded matmul and attention
-   libraries), with the same arguments, so every output is bitwise the Python path's (tested). The residual stream
-   x is updated in place (the matmul kernel reads each residual element before writing the same element).
+   libraries), with the same arguments, so every Llama-family output is bitwise the Python path's (tested). The
+   residual stream x is updated in place (the matmul kernel reads each residual element before writing the same
+   element).
 
    EAGLE-3's features (the inputs of its aux layers) are copied out as the loop passes them, into columns of the
    caller's hidden-output rows, instead of splitting the loop at each aux layer and copying in Python: that cost
@@ -106,16 +108,17 @@ static int linear(matmul_fn mm, const int64_t *l, const void *x, int T, int K, v
 }
 
 /* layers [i0, i1) of records L over T rows: x [T, dim] (in place), scratch qkv [T, (H + 2 Hkv) D], o [T, H D],
-   h [T, 2 ffn], y [T, dim]; kv / kt: each layer's values [S, Hkv, D] and key tiles; cos / sin (and the local tables of sliding layers) f32
-   [T, D]; slots [T]; spans / tails of the full and the sliding plan (kernels.row_spans); n_feat features: layer
-   feat_layer[j]'s input rows copied to feats [T, feat_row] at column feat_col[j]. Returns 0, or the first failing
-   kernel's code (-1: out of memory, -2: shapes). */
+   h [T, 2 ffn], y [T, dim]; kv / kt: each layer's values [S, Hkv, D] and key tiles; cos / sin (and the local tables of
+   sliding layers) f32 [T, D]; slots [T]; spans / tails of the full and the sliding plan (kernels.row_spans); n_feat
+   features: layer feat_layer[j]'s input rows copied to feats [T, feat_row] at column feat_col[j]. Returns 0, or the
+   first failing kernel's code (-1: out of memory, -2: shapes). */
 int specdec_layers(const int64_t *L, int i0, int i1, const int64_t *kv, const int64_t *kt, long tiles, int T,
                    int dim, int H, int Hkv, int D, int ffn, float eps, float scale, int bf16, void *x, void *qkv,
-                   void *o, void *h, void *y, const float *cos, const float *sin, const float *cos_l, const float *sin_l,
-                   const int64_t *slots, const int64_t *spans_f, const int64_t *tails_f, const int64_t *spans_s,
-                   const int64_t *tails_s, const void *mm_p, const void *rope_p, const void *att_p, int n_feat,
-                   const int64_t *feat_layer, const int64_t *feat_col, void *feats, long feat_row) {
+                   void *o, void *h, void *y, const float *cos, const float *sin, const float *cos_l,
+                   const float *sin_l, const int64_t *slots, const int64_t *spans_f, const int64_t *tails_f,
+                   const int64_t *spans_s, const int64_t *tails_s, const void *mm_p, const void *rope_p,
+                   const void *att_p, int n_feat, const int64_t *feat_layer, const int64_t *feat_col, void *feats,
+                   long feat_row) {
     matmul_fn mm = (matmul_fn)mm_p;
     rope_fn rope = (rope_fn)rope_p;
     attend_fn att = (attend_fn)att_p;

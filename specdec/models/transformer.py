@@ -201,6 +201,7 @@ class Block:
         self.qk_norm = torch.cat([src.raw(prefix + "attn_q_norm").expand(a.n_heads, -1),
                                   src.raw(prefix + "attn_k_norm").expand(a.n_kv_heads, -1)]
                                  ).to(device, dtype) if a.qk_norm and self.mla is None else None
+        self.qk_norm_f32 = self.qk_norm.float().contiguous() if self.qk_norm is not None else None  # forward.c's
 
     def linears(self) -> list:
         """The attention's and the dense FFN's linear layers (a MoE layer's experts: self.moe)."""
@@ -326,7 +327,7 @@ def layer_records(layers: list[Block], window: int | None) -> torch.Tensor | Non
     """kernels/forward.c's records of `layers` (int64 [layers, 27]: the four linear layers' codes, scales, zeros,
     bits and rows, the two norms, sliding or not, then Gemma 3's q / k norms, sandwich norms and GELU flag) when
     every one is a Llama-family or Gemma 3 dense layer whose linear layers run in the matmul kernel and the forward
-    kernel is built; else None. The f32 tensors the records point to are kept on the layers."""
+    kernel is built; else None (the records point into tensors the layers keep)."""
     if kernels.forward_lib() is None:
         return None
     rows = []
@@ -341,9 +342,7 @@ def layer_records(layers: list[Block], window: int | None) -> torch.Tensor | Non
             row += [lin.weight.data_ptr(), lin.scales.data_ptr(),
                     lin.zeros.data_ptr() if getattr(lin, "zeros", None) is not None else 0, lin.bits,
                     lin.out_features]
-        if layer.qk_norm is not None and getattr(layer, "qk_norm_f32", None) is None:
-            layer.qk_norm_f32 = layer.qk_norm.float().contiguous()
-        qk = layer.qk_norm_f32.data_ptr() if layer.qk_norm is not None else 0
+        qk = layer.qk_norm_f32.data_ptr() if layer.qk_norm_f32 is not None else 0
         post = [n.weight.data_ptr() if n is not None else 0 for n in (layer.post_attention_norm, layer.post_ffw_norm)]
         rows.append(row + [layer.attn_norm.weight.data_ptr(), layer.ffn_norm.weight.data_ptr(),
                            int(layer.sliding and window is not None), qk, *post, int(layer.gelu)])
