@@ -95,25 +95,29 @@ static inline vf vselect(vi mask, vf a, vf b) { /* mask ? a : b, lane by lane (m
     return f;
 }
 
-/* exp(x) for x <= 0 (scores minus their max): 2^n * P(r), |r| <= ln2 / 2, relative error ~2e-7 */
-static inline vf exp_nonpos(vf x) {
-    vf lo = (vf){0} - 87.0f;
-    x = vselect(x < lo, lo, x);
-    vf t = x * 1.44269504088896341f + 0.5f;
-    vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf); /* truncation toward zero... */
-    n = vselect(n > t, n - 1.0f, n);                                     /* ...made a floor (t may be < 0) */
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf two_n;
-    memcpy(&two_n, &e, sizeof two_n);
-    return p * two_n;
-}
+/* exp(x) for x <= 0 (scores minus their max): 2^n * P(r), |r| <= ln2 / 2, relative error ~2e-7. One body for
+   16-lane vectors and (exp_nonpos8, AVX2 without AVX-512: GCC keeps 16-lane vectors on the stack there) 8-lane ones:
+   the same operations lane by lane, so the same results. */
+#define EXP_NONPOS(NAME, VF, VI, SELECT)                                                                           \
+    static inline VF NAME(VF x) {                                                                                  \
+        VF lo = (VF){0} - 87.0f;                                                                                   \
+        x = SELECT(x < lo, lo, x);                                                                                 \
+        VF t = x * 1.44269504088896341f + 0.5f;                                                                    \
+        VF n = __builtin_convertvector(__builtin_convertvector(t, VI), VF); /* truncation toward zero... */        \
+        n = SELECT(n > t, n - 1.0f, n);                                     /* ...made a floor (t may be < 0) */   \
+        VF r = x - n * 0.693359375f + n * 2.12194440e-4f;                                                          \
+        VF p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                                            \
+        p = p * r + 8.3334519073e-3f;                                                                              \
+        p = p * r + 4.1665795894e-2f;                                                                              \
+        p = p * r + 1.6666665459e-1f;                                                                              \
+        p = p * r + 5.0000001201e-1f;                                                                              \
+        p = p * r * r + r + 1.0f;                                                                                  \
+        VI e = (__builtin_convertvector(n, VI) + 127) << 23;                                                       \
+        VF two_n;                                                                                                  \
+        memcpy(&two_n, &e, sizeof two_n);                                                                          \
+        return p * two_n;                                                                                          \
+    }
+EXP_NONPOS(exp_nonpos, vf, vi, vselect)
 
 /* Two vectors from 32 consecutive elements, in an order of lanes that order_* puts back. f32: elements 0..15 and
    16..31. bf16: the 32 elements read as 16 pairs, the low halves shifted up (elements 0, 2, ..., 30) and the high
@@ -170,6 +174,121 @@ typedef struct {
     float *p;    /* the part's scores in key order (into s when there is no tail), then exp(s - max) */
     float *part; /* [Dv + 2]: max, sum, then sum_j exp(s_j - max) v_j */
 } rowhead;
+
+static inline float elem_f32(const float *p) { return *p; }
+static inline float elem_bf16(const uint16_t *p) {
+    uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+#define ELEM(p) _Generic((p), const float *: elem_f32, const uint16_t *: elem_bf16)(p) /* one element, as f32 */
+
+/* One pair's softmax part: its scores in key order (a tree path's gathered from the unit's scores by slot), their
+   max, exp(s - max) in place and its sum -> part[0], part[1]. The sum keeps 16 lanes (key i in lane i mod 16, the
+   padding of the last vector masked to exact zeros), added pairwise in a fixed order. */
+#if defined(__AVX512F__) || !defined(__AVX2__) || !defined(__FMA__)
+static void softmax_part(rowhead *rh, long base) {
+    long run = rh->b - rh->a, n = run + rh->ntail, full = n / W * W;
+    float *sg = rh->p;
+    if (rh->ntail) {
+        memcpy(sg, rh->s + rh->a - base, sizeof(float) * run);
+        for (long i = 0; i < rh->ntail; i++)
+            sg[run + i] = rh->s[rh->tail[i] - base];
+    }
+    const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vf mv = (vf){0} - 3.0e38f;
+    vi tail = iota + (float)full < (float)n; /* the keys of the last, partial vector */
+    for (long j = 0; j < full; j += W) {     /* the max (order-free) */
+        vf x = load_f32(sg + j);
+        mv = vselect(x > mv, x, mv);
+    }
+    if (full < n) { /* padding masked out */
+        vf x = vselect(tail, load_f32(sg + full), mv);
+        mv = vselect(x > mv, x, mv);
+    }
+    float m = mv[0];
+    for (int l = 1; l < W; l++)
+        m = mv[l] > m ? mv[l] : m;
+    vf sum = {0};
+    for (long j = 0; j < full; j += W) {
+        vf e = exp_nonpos(load_f32(sg + j) - m);
+        store_f32(sg + j, e);
+        sum += e;
+    }
+    if (full < n) {
+        vf e = vselect(tail, exp_nonpos(load_f32(sg + full) - m), (vf){0});
+        store_f32(sg + full, e);
+        sum += e;
+    }
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++)
+            sum[l] += sum[l + w];
+    rh->part[0] = m;
+    rh->part[1] = sum[0];
+}
+#else
+/* AVX2: the same in two 8-lane halves (lanes 0..7 and 8..15 of each 16-lane vector above); perf: the 16-lane version
+   took ~40% of an 8-row SmolLM2 chain's attention at 700 cached tokens here (docs/results/attention-softmax.txt). */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef float vf8_u __attribute__((vector_size(32), aligned(4)));
+static inline vf8 vselect8(vi8 mask, vf8 a, vf8 b) {
+    vi8 ia, ib;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    vi8 r = (mask & ia) | (~mask & ib);
+    vf8 f;
+    memcpy(&f, &r, sizeof f);
+    return f;
+}
+EXP_NONPOS(exp_nonpos8, vf8, vi8, vselect8)
+static inline vf8 load8(const float *p) { return *(const vf8_u *)p; }
+static inline void store8(float *p, vf8 x) { *(vf8_u *)p = x; }
+
+static void softmax_part(rowhead *rh, long base) {
+    long run = rh->b - rh->a, n = run + rh->ntail, full = n / W * W;
+    float *sg = rh->p;
+    if (rh->ntail) {
+        memcpy(sg, rh->s + rh->a - base, sizeof(float) * run);
+        for (long i = 0; i < rh->ntail; i++)
+            sg[run + i] = rh->s[rh->tail[i] - base];
+    }
+    const vf8 iota = {0, 1, 2, 3, 4, 5, 6, 7};
+    vf8 mv0 = (vf8){0} - 3.0e38f, mv1 = mv0;
+    vi8 tail0 = iota + (float)full < (float)n, tail1 = iota + (float)(full + 8) < (float)n;
+    for (long j = 0; j < full; j += W) {
+        vf8 x0 = load8(sg + j), x1 = load8(sg + j + 8);
+        mv0 = vselect8(x0 > mv0, x0, mv0), mv1 = vselect8(x1 > mv1, x1, mv1);
+    }
+    if (full < n) {
+        vf8 x0 = vselect8(tail0, load8(sg + full), mv0), x1 = vselect8(tail1, load8(sg + full + 8), mv1);
+        mv0 = vselect8(x0 > mv0, x0, mv0), mv1 = vselect8(x1 > mv1, x1, mv1);
+    }
+    mv0 = vselect8(mv1 > mv0, mv1, mv0);
+    float m = mv0[0];
+    for (int l = 1; l < 8; l++)
+        m = mv0[l] > m ? mv0[l] : m;
+    vf8 s0 = {0}, s1 = {0};
+    for (long j = 0; j < full; j += W) {
+        vf8 e0 = exp_nonpos8(load8(sg + j) - m), e1 = exp_nonpos8(load8(sg + j + 8) - m);
+        store8(sg + j, e0), store8(sg + j + 8, e1);
+        s0 += e0, s1 += e1;
+    }
+    if (full < n) {
+        vf8 e0 = vselect8(tail0, exp_nonpos8(load8(sg + full) - m), (vf8){0});
+        vf8 e1 = vselect8(tail1, exp_nonpos8(load8(sg + full + 8) - m), (vf8){0});
+        store8(sg + full, e0), store8(sg + full + 8, e1);
+        s0 += e0, s1 += e1;
+    }
+    s0 += s1; /* w = 8 of the 16-lane reduction, then 4, 2, 1 */
+    for (int w = 4; w > 0; w /= 2)
+        for (int l = 0; l < w; l++)
+            s0[l] += s0[l + w];
+    rh->part[0] = m;
+    rh->part[1] = s0[0];
+}
+#endif
 
 #if defined(__AVX512F__) || !defined(__AVX2__) || !defined(__FMA__)
 #define MAX_R 12 /* (row, head) pairs whose scores are computed together: 24 accumulators */
@@ -353,10 +472,10 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
     }
 #endif
 
-/* The kernel, instantiated for f32 and bf16 storage (T_ the element type, LD_ / ST_ its vector load / store,
+/* The kernel, instantiated for f32 and bf16 storage (T_ the element type, ST_ its vector store,
    PAIR_ / ORDER_ / ROW_ as above); its inner loops for a constant number R of (row, head) pairs that share a KV
    head and so each key tile and value row loaded (one instantiation for each R, dispatched at run time). */
-#define ATTEND_KERNEL(NAME, T_, LD_, ST_, PAIR_, ORDER_, ROW_)                                                     \
+#define ATTEND_KERNEL(NAME, T_, ST_, PAIR_, ORDER_, ROW_)                                                          \
     ATTEND_HOT(NAME, T_, PAIR_, ORDER_, ROW_)                                                                      \
                                                                                                                    \
     /* The instantiations for each R, dispatched at run time */                                                    \
@@ -411,9 +530,8 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
                 for (long i = 0; i < rh[r].ntail; i++)                                                             \
                     first = rh[r].tail[i] < first ? rh[r].tail[i] : first,                                         \
                     last = rh[r].tail[i] > last ? rh[r].tail[i] : last;                                            \
-                for (int d = 0; d < D; d += W) /* the queries in f32, transposed: qt[d][r] */                      \
-                    for (int l = 0; l < W; l++)                                                                    \
-                        qt[(d + l) * R + r - r0] = LD_((const T_ *)rh[r].q + d)[l];                                \
+                for (int d = 0; d < D; d++) /* the queries in f32, transposed: qt[d][r] */                         \
+                    qt[d * R + r - r0] = ELEM((const T_ *)rh[r].q + d);                                            \
             }                                                                                                      \
             for (long x = first / BLOCK; x <= last / BLOCK; x++) {                                                 \
                 for (int c = 0; c < D * BLOCK * (int)sizeof(T_); c += 64) /* the next tile */                      \
@@ -425,46 +543,8 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
                 scores_any_##NAME(R, qt, kth + x * D * BLOCK, D, scale, rh + r0, x * BLOCK - base);                \
             }                                                                                                      \
         }                                                                                                          \
-        /* per pair: its scores in key order, their max, exp(s - max) in place and its sum */                      \
-        const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                                    \
-        for (int r = 0; r < nr; r++) {                                                                             \
-            long run = rh[r].b - rh[r].a, n = run + rh[r].ntail, full = n / W * W;                                 \
-            float *sg = rh[r].p;                                                                                   \
-            if (rh[r].ntail) { /* a tree path: its run's scores, then its tail's, into their own buffer */         \
-                memcpy(sg, rh[r].s + rh[r].a - base, sizeof(float) * run);                                         \
-                for (long i = 0; i < rh[r].ntail; i++)                                                             \
-                    sg[run + i] = rh[r].s[rh[r].tail[i] - base];                                                   \
-            }                                                                                                      \
-            vf mv = (vf){0} - 3.0e38f;                                                                             \
-            vi tail = iota + (float)full < (float)n; /* the keys of the last, partial vector */                    \
-            for (long j = 0; j < full; j += W) { /* the max (order-free) */                                        \
-                vf x = load_f32(sg + j);                                                                           \
-                mv = vselect(x > mv, x, mv);                                                                       \
-            }                                                                                                      \
-            if (full < n) { /* padding masked out */                                                               \
-                vf x = vselect(tail, load_f32(sg + full), mv);                                                     \
-                mv = vselect(x > mv, x, mv);                                                                       \
-            }                                                                                                      \
-            float m = mv[0];                                                                                       \
-            for (int l = 1; l < W; l++)                                                                            \
-                m = mv[l] > m ? mv[l] : m;                                                                         \
-            vf sum = {0};                                                                                          \
-            for (long j = 0; j < full; j += W) {                                                                   \
-                vf e = exp_nonpos(load_f32(sg + j) - m);                                                           \
-                store_f32(sg + j, e);                                                                              \
-                sum += e;                                                                                          \
-            }                                                                                                      \
-            if (full < n) {                                                                                        \
-                vf e = vselect(tail, exp_nonpos(load_f32(sg + full) - m), (vf){0});                                \
-                store_f32(sg + full, e);                                                                           \
-                sum += e;                                                                                          \
-            }                                                                                                      \
-            for (int w = W / 2; w > 0; w /= 2)                                                                     \
-                for (int l = 0; l < w; l++)                                                                        \
-                    sum[l] += sum[l + w];                                                                          \
-            rh[r].part[0] = m;                                                                                     \
-            rh[r].part[1] = sum[0];                                                                                \
-        }                                                                                                          \
+        for (int r = 0; r < nr; r++)                                                                               \
+            softmax_part(rh + r, base);                                                                            \
         /* outputs, MAX_RV pairs at a time, each value row loaded once for all of them */                          \
         for (int r0 = 0; r0 < nr; r0 += MAX_RV)                                                                    \
             values_any_##NAME(nr - r0 < MAX_RV ? nr - r0 : MAX_RV, vals, stride, rh + r0, Dv);                     \
@@ -485,8 +565,8 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
             ST_(o + c * W, (load_f32(p0 + 2 + c * W) * e[0] + load_f32(p1 + 2 + c * W) * e[1]) * inv);             \
     }
 
-ATTEND_KERNEL(attend_f32, float, load_f32, store_f32, pair_f32, order_f32, row_f32)
-ATTEND_KERNEL(attend_bf16, uint16_t, load_bf16, store_bf16, pair_bf16, order_bf16, row_bf16)
+ATTEND_KERNEL(attend_f32, float, store_f32, pair_f32, order_f32, row_f32)
+ATTEND_KERNEL(attend_bf16, uint16_t, store_bf16, pair_bf16, order_bf16, row_bf16)
 
 /* Scratch that lives as long as its thread (OpenMP's pool threads live as long as the process): grown, never
    shrunk, so a call allocates nothing once warm. */
