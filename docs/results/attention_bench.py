@@ -1,24 +1,38 @@
-"""Time kernels.attend alone at SmolLM2's shapes (9 query heads, 3 KV heads, D = 64, bf16 storage): one chain of T
-rows after S cached slots, or B sequences of one row each; median microseconds per layer of 200 calls, and the
-attention FLOP rate (4 H D flops per key). Run it on two checkouts alternately to compare kernel builds:
+"""kernels' attention alone at SmolLM2's shapes (9 query heads, 3 KV heads, D = 64, bf16 storage), several builds of
+attention.c interleaved call by call in one process (the host drifts ~1.5x within minutes: only same-run ratios
+count): one chain of T rows after S cached slots, or B sequences of one row each; medians of 300 calls per build.
 
-    python docs/results/attention_bench.py
-    cd /tmp/old && PYTHONPATH=/tmp/old python /tmp/old/docs/results/attention_bench.py
+    python docs/results/attention_bench.py NAME=FILE.c[:-DFLAG ...] [NAME=FILE.c ...]
+    python docs/results/attention_bench.py old=/tmp/old/specdec/kernels/attention.c new=specdec/kernels/attention.c
 """
 
 from __future__ import annotations
 
+import ctypes
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from specdec import kernels
 
 H, HKV, D = 9, 3, 64
+CASES = ((64, 1, 1), (700, 1, 1), (64, 8, 1), (256, 8, 1), (700, 4, 1), (700, 8, 1), (64, 1, 8), (700, 1, 8))
 
 
-def bench(S: int, T: int, B: int, n: int = 200) -> tuple[float, float]:
+def build(spec: str, out: Path) -> ctypes.CDLL:
+    src, _, flags = spec.partition(":")
+    subprocess.run(["gcc", "-w", *kernels.FLAGS, *flags.split(), "-o", str(out), src], check=True,
+                   capture_output=True)
+    return ctypes.CDLL(str(out))
+
+
+def case(S: int, T: int, B: int) -> tuple[tuple, list[torch.Tensor]]:
+    """specdec_attend's arguments for one case, and the tensors they point into."""
     slots = B * (S + T) + 64
     kv = torch.randn(1, slots, HKV, D).to(torch.bfloat16)
     kt = torch.randn(HKV, -(-slots // 32), D, 32).to(torch.bfloat16)
@@ -27,22 +41,36 @@ def bench(S: int, T: int, B: int, n: int = 200) -> tuple[float, float]:
     else:
         rows = [(b * (S + T), S, [b * (S + T) + S]) for b in range(B)]
     spans, tails = kernels.row_spans(rows, None)
-    qkv = torch.randn(1, len(rows), H + 2 * HKV, D).to(torch.bfloat16)
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        kernels.attend(qkv, kv, kt, H, HKV, spans, tails, D ** -0.5)
-        times.append(time.perf_counter() - t)
-    med = statistics.median(times)
-    keys = sum(S + len(r[2]) for r in rows)
-    return med, 4 * H * D * keys / med / 1e9
+    n = len(rows)
+    qkv = torch.randn(1, n, H + 2 * HKV, D).to(torch.bfloat16)
+    out = torch.empty(1, n, H * D, dtype=torch.bfloat16)
+    p, vp = spans.data_ptr(), ctypes.c_void_p
+    args = (vp(qkv.data_ptr()), ctypes.c_long(qkv.shape[2] * D), vp(kv.data_ptr()), vp(kt.data_ptr()),
+            ctypes.c_long(kt.shape[1]), H, HKV, D, n, vp(p), vp(p + 8 * n), vp(tails.data_ptr()), vp(p + 16 * n),
+            ctypes.c_float(D ** -0.5), vp(out.data_ptr()), 1)
+    return args, [qkv, kv, kt, spans, tails, out]
 
 
 def main() -> None:
-    for S in (64, 256, 700):
-        for T, B in ((1, 1), (4, 1), (8, 1), (1, 8)):
-            med, rate = bench(S, T, B)
-            print(f"S {S} T {T} B {B}: {med * 1e6:.1f} us/layer, x30 layers {med * 30e3:.2f} ms, {rate:.1f} GFLOP/s")
+    tmp = Path(tempfile.mkdtemp())
+    libs = {}
+    for arg in sys.argv[1:]:
+        name, spec = arg.split("=", 1)
+        libs[name] = build(spec, tmp / f"{name}.so")
+    for S, T, B in CASES:
+        args, _keep = case(S, T, B)
+        times: dict[str, list[float]] = {n: [] for n in libs}
+        for _ in range(300):
+            for name, lib in libs.items():
+                t = time.perf_counter()
+                lib.specdec_attend(*args)
+                times[name].append(time.perf_counter() - t)
+        med = {n: statistics.median(v) for n, v in times.items()}
+        base = next(iter(med.values()))
+        flop = 4 * H * D * (B * S + (T * (T + 1) // 2 if B == 1 else B) + (S * (T - 1) if B == 1 else 0))
+        print(f"S {S} T {T} B {B}: " + "  ".join(
+            f"{n} {m * 1e6:.1f} us ({base / m:.2f}x, {flop / m / 1e9:.0f} GFLOP/s)" for n, m in med.items()),
+            flush=True)
 
 
 if __name__ == "__main__":
