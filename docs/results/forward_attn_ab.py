@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import ctypes
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from attention_bench import build  # docs/results/, the folder of this script
 
 from specdec import kernels
 from specdec.loader import load
-
-
-def build(src: str, out: Path) -> ctypes.CDLL:
-    subprocess.run(["gcc", "-w", *kernels.FLAGS, "-o", str(out), src], check=True, capture_output=True)
-    return ctypes.CDLL(str(out))
 
 
 def main() -> None:

@@ -85,15 +85,18 @@ static inline vf fmadd(vf a, vf b, vf c) {
 #endif
 }
 
-static inline vf vselect(vi mask, vf a, vf b) { /* mask ? a : b, lane by lane (mask lanes are 0 or -1) */
-    vi ia, ib;
-    memcpy(&ia, &a, sizeof ia);
-    memcpy(&ib, &b, sizeof ib);
-    vi r = (mask & ia) | (~mask & ib);
-    vf f;
-    memcpy(&f, &r, sizeof f);
-    return f;
-}
+/* mask ? a : b, lane by lane (mask lanes are 0 or -1); SELECT(vselect8, ...) below: the same for 8 lanes */
+#define SELECT(NAME, VF, VI)                                                                                       \
+    static inline VF NAME(VI mask, VF a, VF b) {                                                                   \
+        VI ia, ib;                                                                                                 \
+        memcpy(&ia, &a, sizeof ia);                                                                                \
+        memcpy(&ib, &b, sizeof ib);                                                                                \
+        VI r = (mask & ia) | (~mask & ib);                                                                         \
+        VF f;                                                                                                      \
+        memcpy(&f, &r, sizeof f);                                                                                  \
+        return f;                                                                                                  \
+    }
+SELECT(vselect, vf, vi)
 
 /* exp(x) for x <= 0 (scores minus their max): 2^n * P(r), |r| <= ln2 / 2, relative error ~2e-7. One body for
    16-lane vectors and (exp_nonpos8, AVX2 without AVX-512: GCC keeps 16-lane vectors on the stack there) 8-lane ones:
@@ -184,18 +187,26 @@ static inline float elem_bf16(const uint16_t *p) {
 }
 #define ELEM(p) _Generic((p), const float *: elem_f32, const uint16_t *: elem_bf16)(p) /* one element, as f32 */
 
-/* One pair's softmax part: its scores in key order (a tree path's gathered from the unit's scores by slot), their
-   max, exp(s - max) in place and its sum -> part[0], part[1]. The sum keeps 16 lanes (key i in lane i mod 16, the
-   padding of the last vector masked to exact zeros), added pairwise in a fixed order. */
-#if defined(__AVX512F__) || !defined(__AVX2__) || !defined(__FMA__)
-static void softmax_part(rowhead *rh, long base) {
-    long run = rh->b - rh->a, n = run + rh->ntail, full = n / W * W;
+/* A pair's scores in key order at rh->p: a tree path's run, then its tail, gathered from the unit's scores by slot
+   (a chain's are already there) -> its number of keys. */
+static inline long gather_scores(rowhead *rh, long base) {
+    long run = rh->b - rh->a;
     float *sg = rh->p;
     if (rh->ntail) {
         memcpy(sg, rh->s + rh->a - base, sizeof(float) * run);
         for (long i = 0; i < rh->ntail; i++)
             sg[run + i] = rh->s[rh->tail[i] - base];
     }
+    return run + rh->ntail;
+}
+
+/* One pair's softmax part: its scores in key order (a tree path's gathered from the unit's scores by slot), their
+   max, exp(s - max) in place and its sum -> part[0], part[1]. The sum keeps 16 lanes (key i in lane i mod 16, the
+   padding of the last vector masked to exact zeros), added pairwise in a fixed order. */
+#if defined(__AVX512F__) || !defined(__AVX2__) || !defined(__FMA__)
+static void softmax_part(rowhead *rh, long base) {
+    long n = gather_scores(rh, base), full = n / W * W;
+    float *sg = rh->p;
     const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     vf mv = (vf){0} - 3.0e38f;
     vi tail = iota + (float)full < (float)n; /* the keys of the last, partial vector */
@@ -233,27 +244,14 @@ static void softmax_part(rowhead *rh, long base) {
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef float vf8_u __attribute__((vector_size(32), aligned(4)));
-static inline vf8 vselect8(vi8 mask, vf8 a, vf8 b) {
-    vi8 ia, ib;
-    memcpy(&ia, &a, sizeof ia);
-    memcpy(&ib, &b, sizeof ib);
-    vi8 r = (mask & ia) | (~mask & ib);
-    vf8 f;
-    memcpy(&f, &r, sizeof f);
-    return f;
-}
+SELECT(vselect8, vf8, vi8)
 EXP_NONPOS(exp_nonpos8, vf8, vi8, vselect8)
 static inline vf8 load8(const float *p) { return *(const vf8_u *)p; }
 static inline void store8(float *p, vf8 x) { *(vf8_u *)p = x; }
 
 static void softmax_part(rowhead *rh, long base) {
-    long run = rh->b - rh->a, n = run + rh->ntail, full = n / W * W;
+    long n = gather_scores(rh, base), full = n / W * W;
     float *sg = rh->p;
-    if (rh->ntail) {
-        memcpy(sg, rh->s + rh->a - base, sizeof(float) * run);
-        for (long i = 0; i < rh->ntail; i++)
-            sg[run + i] = rh->s[rh->tail[i] - base];
-    }
     const vf8 iota = {0, 1, 2, 3, 4, 5, 6, 7};
     vf8 mv0 = (vf8){0} - 3.0e38f, mv1 = mv0;
     vi8 tail0 = iota + (float)full < (float)n, tail1 = iota + (float)(full + 8) < (float)n;
