@@ -16,14 +16,29 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded from a model hub
 
 
+def at_least(lo: int):
+    """An argparse type: an integer >= lo (argparse then says which flag was wrong, in one line)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, not {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, not {value}")
+        return value
+
+    return parse
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None,
                    help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct Q4_1; "
                         "aliases: smollm2, gemma3-270m)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context window in tokens (default 4096, or the "
-                                                                    "model's trained context if shorter); more than "
-                                                                    "the trained context is allowed, with a warning")
+    p.add_argument("-t", "--threads", type=at_least(1), default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-c", "--ctx-size", type=at_least(0), default=None,
+                   help="context window in tokens (default and 0: 4096, or the model's trained context if shorter); "
+                        "more than the trained context is allowed, with a warning")
     p.add_argument("--dtype", default="auto", help="activations: auto, f32, bf16, f16 (auto: bf16 with quantized "
                                                    "weights on CPU and on GPUs, else f32)")
     p.add_argument("--quant", default="auto", help="weights: auto, none, int8, int4 (auto: a quantized GGUF stays "
@@ -97,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "(default: all that apply)")
     b.add_argument("--prompts", default=None, help="JSONL prompts (Spec-Bench question.jsonl or {\"prompt\": ...})")
     b.add_argument("--category", default=None, help="only prompts of these Spec-Bench categories (comma-separated)")
-    b.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
+    b.add_argument("--limit", type=at_least(1), default=None, help="at most this many prompts per category")
     b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate per prompt (default 128)")
-    b.add_argument("--repeats", type=int, default=3, help="runs per prompt and mode; the median is reported")
+    b.add_argument("--repeats", type=at_least(1), default=3, help="runs per prompt and mode; the median is reported")
     b.add_argument("--batch", default=None, help="batched throughput instead: comma-separated batch sizes, e.g. "
                                                  "1,2,4,8,16 (every prompt through the engine, that many at a "
                                                  "time; aggregate and per-sequence tok/s)")
@@ -134,28 +149,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kind", default="sequential", help="sequential (DeepSeek-V3-style modules), parallel (Medusa "
                                                         "heads) or eagle3 (EAGLE-3: fused low/mid/high features, "
                                                         "training-time test); default sequential")
-    t.add_argument("--depth", type=int, default=1, help="modules / heads to train; eagle3: training-time-test steps "
-                                                        "(default 1)")
+    t.add_argument("--depth", type=at_least(1), default=1,
+                   help="modules / heads to train; eagle3: training-time-test steps (default 1)")
     t.add_argument("--data", default=None, help="train on the answers of a `specdec make-data` JSONL instead of "
                                                 "generating them from --prompts")
     t.add_argument("--decay", type=float, default=1.0, help="eagle3: loss weight decay^k of step k (default 1)")
-    t.add_argument("--data-tokens", type=int, default=0, help="with --data: train on a seeded random subset of about "
-                                                              "this many tokens (default all)")
+    t.add_argument("--data-tokens", type=at_least(0), default=0,
+                   help="with --data: train on a seeded random subset of about this many tokens (default all)")
     t.add_argument("--prompts", default=None, help="training prompts JSONL (self-instruct seed tasks or "
                                                    "{\"prompt\": ...}); default ../shared/data/"
                                                    "train_prompts_seed_tasks.jsonl")
-    t.add_argument("--samples", type=int, default=2, help="answers the model writes per prompt (default 2)")
-    t.add_argument("--max-new", type=int, default=160, help="tokens per answer (default 160)")
+    t.add_argument("--samples", type=at_least(1), default=2, help="answers the model writes per prompt (default 2)")
+    t.add_argument("--max-new", type=at_least(1), default=160, help="tokens per answer (default 160)")
     t.add_argument("--temp", type=float, default=0.8, help="sampling temperature of the answers (default 0.8)")
-    t.add_argument("--epochs", type=int, default=4, help="passes over the data (default 4)")
+    t.add_argument("--epochs", type=at_least(1), default=4, help="passes over the data (default 4)")
     t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    t.add_argument("--vocab", type=int, default=8192, help="draft vocabulary size, 0 = full (default 8192)")
-    t.add_argument("--ffn", type=int, default=0, help="FFN width of a sequential module (default: the model's)")
+    t.add_argument("--vocab", type=at_least(0), default=8192, help="draft vocabulary size, 0 = full (default 8192)")
+    t.add_argument("--ffn", type=at_least(0), default=0, help="FFN width of a sequential module (default: the model's)")
     t.add_argument("--feature-weight", type=float, default=1.0, help="weight of the feature-regression loss "
                                                                     "(EAGLE); 0 = distillation only (default 1)")
     t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     t.add_argument("--noise", type=float, default=0.0, help="std of noise on input hidden states (default 0)")
-    t.add_argument("--limit", type=int, default=0, help="use only the first N prompts (default all)")
+    t.add_argument("--limit", type=at_least(0), default=0, help="use only the first N prompts (default all)")
     t.add_argument("-s", "--seed", type=int, default=0, help="seed (default 0)")
     t.add_argument("--work", default=None, help="work directory for resumable stages (default OUTPUT.work)")
 
@@ -485,8 +500,6 @@ def cmd_train_mtp(args) -> int:
         raise ValueError(f"training prompts not found: {prompts} (give --prompts FILE)")
     if args.kind not in ("sequential", "parallel", "eagle3"):
         raise ValueError("--kind must be sequential, parallel or eagle3")
-    if args.depth < 1:
-        raise ValueError("--depth must be >= 1")
     cfg = TrainConfig(kind=args.kind, depth=args.depth, samples=args.samples, max_new=args.max_new,
                       temperature=args.temp, epochs=args.epochs, lr=args.lr, seed=args.seed, vocab=args.vocab,
                       ffn_dim=args.ffn, prompts=prompts, limit=args.limit, feature_weight=args.feature_weight,

@@ -97,6 +97,24 @@ def test_bad_flags_in_process(capsys, argv, words):
         assert w in err
 
 
+
+@pytest.mark.parametrize("argv,flag", [
+    (["generate", "-p", "hi", "-c", "-5"], "-c/--ctx-size"),  # reached torch.arange: "upper bound and lower bound ..."
+    (["generate", "-p", "hi", "-t", "0"], "-t/--threads"),  # reached torch.set_num_threads: a RuntimeError
+    (["generate", "-p", "hi", "-c", "many"], "-c/--ctx-size"),
+    (["bench", "--repeats", "0"], "--repeats"),  # an IndexError after the whole run
+    (["bench", "--limit", "0"], "--limit"),
+    (["train-mtp", "--epochs", "0", "-o", "x.safetensors"], "--epochs"),  # generated answers first, trained nothing
+    (["train-mtp", "--samples", "0", "-o", "x.safetensors"], "--samples"),
+])
+def test_bad_counts_are_refused_by_the_parser(capsys, argv, flag):
+    """Counts out of range stop at argument parsing, with argparse's one line naming the flag, before any load."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("specdec ") and f"argument {flag}: " in err[-1] and "Traceback" not in "\n".join(err)
+
 def test_a_draft_of_another_vocabulary_is_refused_before_its_weights_load(monkeypatch, capsys, gemma_path):
     """-md with Gemma's vocabulary for the SmolLM2 target: one line, from the draft's tokenizer alone (loading its
     weights first took ~20 s of conversion before the same refusal)."""
