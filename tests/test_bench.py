@@ -189,4 +189,8 @@ def test_bench_batch_sizes_end_to_end(tmp_path, capsys):
     got = {(r["mode"], r["batch"]) for r in report["rows"]}
     assert got == {(m, b) for m in ("plain", "ngram") for b in (1, 2, 4)} and report["mismatches"] == []
     assert all(r["tokens"] == 50 for r in report["rows"])
+    # the decode-only rate leaves the prefills' time out: above the whole-run rate, by exactly their share
+    for r in report["rows"]:
+        assert 0 < r["prefill_s"] < r["wall_s"] and r["decode_aggregate_tok_s"] > r["aggregate_tok_s"]
+        assert r["decode_aggregate_tok_s"] == pytest.approx(r["tokens"] / (r["wall_s"] - r["prefill_s"]))
     assert "every batched output is identical" in capsys.readouterr().out
