@@ -365,8 +365,9 @@ def draw(logits: torch.Tensor, params: SamplingParams, u: float, history: Sequen
     """One token from p for one row of logits [V] with the uniform u, by inverse CDF over p's ranked candidates:
     the one definition of a sampled token that plain decoding and coupled verification share (Draws). Penalties
     (history: the row's context) first, then sample.c's sampler (specdec_sample: top-k on k + slack values, the
-    rest on the survivors, no sort of the vocabulary: ~20 us for the CLI defaults on 49152 tokens); without the
-    kernel, process() and the same inverse CDF on its Dist."""
+    rest on the survivors, no sort of the vocabulary: ~33 us for the CLI defaults on 49152 tokens in a slow stretch
+    of the 12-03 host, docs/results/sampler-ab.txt); without the kernel, process() and the same inverse CDF on its
+    Dist."""
     x = logits.float()
     if params.penalized:
         x = apply_penalties(x[None], params, [history or []], n_prompt)[0]
