@@ -341,8 +341,13 @@ def sampling_params(args):
 
 def read_prompt(args) -> str:
     if args.file:
-        with open(args.file, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise ValueError(f"prompt file not found: {args.file}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the prompt file {args.file}: {e}") from None
     if args.prompt is None:
         raise ValueError("no prompt: give -p TEXT or -f FILE")
     return args.prompt

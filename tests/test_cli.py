@@ -88,6 +88,8 @@ def test_prompt_longer_than_context():
     (["generate", "-p", "hi", "--repeat-penalty", "0"], ["--repeat-penalty"]),
     (["generate", "-p", "hi", "--presence-penalty", "3"], ["--presence-penalty"]),
     (["generate", "-p", "hi", "-l", "12+x"], ["--logit-bias"]),
+    (["generate", "-f", "/nonexistent/prompt.txt"], ["prompt file not found", "/nonexistent/prompt.txt"]),
+    (["generate", "-f", "/"], ["cannot read the prompt file /"]),
 ])
 def test_bad_flags_in_process(capsys, argv, words):
     assert main(argv) == 1
