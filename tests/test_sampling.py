@@ -7,6 +7,7 @@ sampling with penalties stays distributed as plain sampling (rejection sampling)
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -171,6 +172,39 @@ def test_sampling_kernel_on_random_settings():
         if got is not None:
             torch.testing.assert_close(got, probs_from_logits(logits[None], params)[0].double(), atol=2e-6,
                                        rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("params", [SamplingParams(1.5, 0, 0.95), SamplingParams(2.0, 0, 1.0, 0.01),
+                                    SamplingParams(1.0, 0, 0.999, 0.001)], ids=["top-p", "min-p", "both"])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_sampling_kernel_on_large_nuclei(params, ties):
+    """Flat rows of a real vocabulary's size at high temperature: thousands of survivors, past the size from which
+    sample.c ranks the whole row (rank_all) instead of growing its heap; the same distribution as the reference."""
+    g = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        logits = torch.randn(49152, generator=g) * 1.5
+        if ties:
+            logits = (logits * 8).round() / 8  # runs of hundreds of equal values, some crossing the cut
+        got = kernel_dist(logits, params)
+        assert got is not None and int((got > 0).sum()) > 4096
+        torch.testing.assert_close(got, probs_from_logits(logits[None], params)[0].double(), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("params", [SamplingParams(0.8, 40, 0.95, 0.05), SamplingParams(1.0, 0, 0.9),
+                                    SamplingParams(1.0, 0, 1.0, 0.05)], ids=["defaults", "top-p", "min-p"])
+def test_sampling_kernel_on_a_row_of_equal_logits(params):
+    """Every token tied (a degenerate model): every one survives any cut, ranked by id. The ranking of a tie run
+    was an insertion sort, 10 s a draw on 49152 tokens; a bound far above today's ~10 ms catches it coming back."""
+    row = torch.zeros(49152)
+    start = time.perf_counter()
+    tok, ids, probs = kernels.sample_row(row, params.top_k, params.temperature, params.top_p, params.min_p, 0.25,
+                                         want_candidates=True)
+    assert time.perf_counter() - start < 2.0
+    keep = 49152 if params.top_p >= 1.0 else math.ceil(49152 * params.top_p)  # top-p keeps the smallest prefix
+    assert abs(len(ids) - keep) <= 1 and ids.tolist() == list(range(49151, 49151 - len(ids), -1))
+    assert tok == int(ids[int(0.25 * len(ids))])
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["sample.c", "without the kernel"])
