@@ -175,19 +175,15 @@ static double block_exp(const float *x, long j, long end, float m, float inv_t, 
 }
 
 /* the dense path: inverse CDF over the whole row at temperature t, in vocabulary order. The first pass keeps each
-   block's sum (sums: V / 16 doubles, or NULL when it could not be had, and every block's weights are computed again
-   as before), so the second adds the same sums in the same order and computes weights only in the block the target
+   block's sum, so the second adds the same sums in the same order and computes weights only in the block the target
    falls in: the same token with half the exps (the temperature-only draw on 49152 tokens 119 -> 65 us,
-   docs/results/sampler-ab.txt). */
+   docs/results/sampler-ab.txt). -2: out of memory. */
 static long sample_dense(const float *x, long V, float m, float inv_t, double u) {
     float e[16];
     long nb = (V + 15) / 16;
     double z = 0.0, *sums = malloc(sizeof(double) * (size_t)nb);
-    for (long b = 0; b < nb; b++) {
-        double s = block_exp(x, 16 * b, 16 * b + 16 < V ? 16 * b + 16 : V, m, inv_t, e);
-        if (sums) sums[b] = s;
-        z += s;
-    }
+    if (!sums) return -2;
+    for (long b = 0; b < nb; b++) z += sums[b] = block_exp(x, 16 * b, 16 * b + 16 < V ? 16 * b + 16 : V, m, inv_t, e);
     if (!(z > 0.0)) {
         free(sums);
         return -1;
@@ -196,9 +192,9 @@ static long sample_dense(const float *x, long V, float m, float inv_t, double u)
     long last = -1, lastb = -1; /* the last token with weight, once known; else the last block with weight */
     for (long b = 0; b < nb; b++) {
         long j = 16 * b, end = j + 16 < V ? j + 16 : V;
-        double s = sums ? sums[b] : block_exp(x, j, end, m, inv_t, e);
+        double s = sums[b];
         if (cum + s > target) { /* inside this block: walk it */
-            if (sums) block_exp(x, j, end, m, inv_t, e);
+            block_exp(x, j, end, m, inv_t, e);
             free(sums);
             double c = cum;
             for (long i = j; i < end; i++) {
@@ -321,7 +317,9 @@ long specdec_sample(const float *x, long V, int k, float t, double top_p, double
     double *w = NULL;
     float *av = NULL; /* the whole row ranked (rank_all), once the candidate set grows to RANK_ALL_FROM */
     int64_t *ai = NULL;
-    long an = 0, mass_n = 0; /* mass: the weight of the first mass_n candidates, summed in rank order */
+    long an = 0, mass_n = 0; /* mass: the weight of the first mass_n candidates, summed in rank order: each pass's
+                                candidates are the top values in descending order, a prefix of the next pass's, so
+                                adding only the new terms gives the sum from scratch bitwise */
     double mass = 0.0;
     long result = -2, kept = 0;
     for (;;) {
@@ -331,10 +329,8 @@ long specdec_sample(const float *x, long V, int k, float t, double top_p, double
         hi = malloc(sizeof(int32_t) * n), w = malloc(sizeof(double) * n);
         if (!cv || !hv || !ci || !hi || !w) goto done;
         long found;
-        int ranked = partial && n >= RANK_ALL_FROM;
-        if (ranked) { /* candidates: a prefix of the ranked row, the same set in the same order top_row would give */
+        if (partial && n >= RANK_ALL_FROM) { /* a prefix of the ranked row: top_row's set, in rank_ties' order */
             if (!av) {
-                mass = 0.0, mass_n = 0; /* the heap's passes ranked ties in another order: sum again */
                 av = malloc(sizeof(float) * V), ai = malloc(sizeof(int64_t) * V);
                 if (!av || !ai || (an = rank_all(x, V, av, ai)) < 0) goto done;
             }
@@ -354,8 +350,6 @@ long specdec_sample(const float *x, long V, int k, float t, double top_p, double
         kept = 0;
         while (kept < found && (!topk || cv[kept] >= edge)) kept++;
         if (partial) { /* are all survivors inside the top n? */
-            if (!ranked) mass = 0.0, mass_n = 0;
-            /* a ranked prefix extends the last one: adding only the new terms, in the same order, is the same sum */
             if (top_p < 1.0)
                 for (long i = mass_n; i < kept; i++) mass += exp(((double)cv[i] - m) * inv_t);
             mass_n = kept;
