@@ -79,6 +79,40 @@ def test_training_time_test_equals_step_by_step_drafting(tmp_path, arch):
             torch.testing.assert_close(lg[0, 0], outs[k][p] @ E.T, atol=2e-3, rtol=1e-4)
 
 
+def test_batched_training_equals_one_sequence_at_a_time(tmp_path):
+    """A batch of right-padded sequences of different lengths (the online trainer's batches) gives each sequence's
+    TTT outputs, losses and agreement counts as that sequence alone; padding tokens are never counted."""
+    from specdec.train.eagle3 import eagle3_loss
+
+    t = load(write_gguf("llama", tmp_path / "t.gguf", seed=2), dtype="f32", quant="none", ctx=64)
+    args = draft_args(t.model.args)
+    _, net = eagle3_file(t, tmp_path)
+    dim, steps, lens = args.dim, 3, [9, 4, 12]
+    torch.manual_seed(5)
+    T = max(lens)
+    A, h = torch.randn(3, T, 3 * dim), torch.randn(3, T, dim)
+    tokens = torch.randint(0, args.vocab_size, (3, T))
+    E = t.model.embed.rows(torch.arange(args.vocab_size))
+    head = E[:200]
+    rope = Rope(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), T + steps, torch.float32, "cpu")
+    with torch.no_grad():
+        outs = net.unroll(A, tokens, E, rope.cos, rope.sin, steps)
+        lb, ab = eagle3_loss(net, A, h, tokens, E, head, rope, steps, 0.8, torch.tensor(lens))
+        singles = [eagle3_loss(net, A[b, :n], h[b, :n], tokens[b, :n], E, head, rope, steps, 0.8)
+                   for b, n in enumerate(lens)]
+        for b, n in enumerate(lens):
+            for k, o in enumerate(net.unroll(A[b, :n], tokens[b, :n], E, rope.cos, rope.sin, steps)):
+                torch.testing.assert_close(outs[k][b, :n - 1 - k], o, atol=1e-5, rtol=1e-5)
+    for k in range(steps):  # the batch's loss: every sequence's per-token KL, averaged over all valid tokens
+        counts = [s[1][k][1] for s in singles]
+        assert ab[k][1] == sum(counts) == sum(n - 1 - k for n in lens)
+        assert ab[k][0] == sum(s[1][k][0] for s in singles)
+        want = sum(s[0][k] * c for s, c in zip(singles, counts, strict=True)) / sum(counts)
+        torch.testing.assert_close(lb[k], want, atol=1e-5, rtol=1e-4)
+    full = eagle3_loss(net, A, h, tokens, E, head, rope, steps, 0.8)[1]
+    assert full[0][1] == 3 * (T - 1) != ab[0][1]  # without lengths the padding counts: the mask is what drops it
+
+
 @pytest.fixture(scope="module")
 def target(smollm2_default):
     return smollm2_default

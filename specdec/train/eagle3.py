@@ -69,45 +69,51 @@ class TrainEagle3(nn.Module):
 
     def layer(self, g: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               keys: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One TTT step over n indices: g [n, dim], e [n, dim] next-token embeddings, rope [n, D]; keys: the
-        (k, v) [n_i, Hkv, D] of earlier steps (step 0's first, attended causally; later ones on the diagonal),
-        extended with this step's. -> x [n, dim] (pre-norm)."""
-        n = g.shape[0]
+        """One TTT step over n indices of B sequences: g [B, n, dim], e [B, n, dim] next-token embeddings, rope
+        [n, D]; keys: the (k, v) [B, n_i, Hkv, D] of earlier steps (step 0's first, attended causally; later ones on
+        the diagonal), extended with this step's. -> x [B, n, dim] (pre-norm)."""
+        B, n = g.shape[:2]
         u = torch.cat([_rms(e, self.input_norm, self.eps), _rms(g, self.hidden_norm, self.eps)], dim=-1)
         cos, sin = cos[:, None], sin[:, None]
-        q = apply_rope((u @ self.wq.T).view(n, self.H, self.D), cos, sin)
-        k = apply_rope((u @ self.wk.T).view(n, self.Hkv, self.D), cos, sin)
-        v = (u @ self.wv.T).view(n, self.Hkv, self.D)
+        q = apply_rope((u @ self.wq.T).view(B, n, self.H, self.D), cos, sin)
+        k = apply_rope((u @ self.wk.T).view(B, n, self.Hkv, self.D), cos, sin)
+        v = (u @ self.wv.T).view(B, n, self.Hkv, self.D)
         keys.append((k, v))
         rep = self.H // self.Hkv
-        k0, v0 = (t[:n].repeat_interleave(rep, dim=1) for t in keys[0])  # [n, H, D]
-        s0 = torch.einsum("phd,jhd->hpj", q, k0) * self.scale  # [H, n, n] over step 0's keys
-        s0 = s0.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-        diag = [(q * kk[:n].repeat_interleave(rep, dim=1)).sum(-1).T * self.scale for kk, _ in keys[1:]]  # [H, n]
+        k0, v0 = (t[:, :n].repeat_interleave(rep, dim=2) for t in keys[0])  # [B, n, H, D]
+        s0 = torch.einsum("bphd,bjhd->bhpj", q, k0) * self.scale  # [B, H, n, n] over step 0's keys
+        s0 = s0.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=g.device).tril(), float("-inf"))
+        diag = [(q * kk[:, :n].repeat_interleave(rep, dim=2)).sum(-1).transpose(1, 2) * self.scale
+                for kk, _ in keys[1:]]  # [B, H, n]
         w = torch.softmax(torch.cat([s0] + [d[..., None] for d in diag], dim=-1), dim=-1)
-        o = torch.einsum("hpj,jhd->phd", w[..., :n], v0)
+        o = torch.einsum("bhpj,bjhd->bphd", w[..., :n], v0)
         for i, (_, vv) in enumerate(keys[1:]):
-            o = o + w[..., n + i].T[..., None] * vv[:n].repeat_interleave(rep, dim=1)
-        x = g + o.reshape(n, -1) @ self.wo.T
+            o = o + w[..., n + i].transpose(1, 2)[..., None] * vv[:, :n].repeat_interleave(rep, dim=2)
+        x = g + o.reshape(B, n, -1) @ self.wo.T
         f = _rms(x, self.attn_out_norm, self.eps)
         return x + (F.silu(f @ self.w_gate.T) * (f @ self.w_up.T)) @ self.w_down.T
 
     def unroll(self, A: torch.Tensor, tokens: torch.Tensor, E: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                steps: int) -> list[torch.Tensor]:
         """Training-time test: A [T, n_aux dim] aux features, tokens [T] -> the normed outputs [n_k, dim] of each
-        step k (n_k = T - 1 - k indices: those whose input token t_{p+1+k} exists)."""
-        T = tokens.shape[0]
-        g = A[:T - 1] @ self.fc.T
+        step k (n_k = T - 1 - k indices: those whose input token t_{p+1+k} exists). A batch of B right-padded
+        sequences (A [B, T, n_aux dim], tokens [B, T]) gives [B, n_k, dim]: attention is causal, so an index never
+        sees the padding after its sequence's end."""
+        one = tokens.dim() == 1
+        if one:
+            A, tokens = A[None], tokens[None]
+        T = tokens.shape[1]
+        g = A[:, :T - 1] @ self.fc.T
         keys: list = []
         outs = []
         for k in range(steps):
             n = T - 1 - k
             if n <= 0:
                 break
-            x = self.layer(g[:n], E[tokens[1 + k:1 + k + n]], cos[k:k + n], sin[k:k + n], keys)
+            x = self.layer(g[:, :n], E[tokens[:, 1 + k:1 + k + n]], cos[k:k + n], sin[k:k + n], keys)
             outs.append(_rms(x, self.norm, self.eps))
             g = x
-        return outs
+        return [o[0] for o in outs] if one else outs
 
     def _named(self) -> dict[str, nn.Parameter]:
         ours = {"attn_norm": self.input_norm, "hidden_norm": self.hidden_norm, "attn_q": self.wq,
@@ -128,22 +134,33 @@ class TrainEagle3(nn.Module):
 
 
 def eagle3_loss(net: TrainEagle3, A: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor, E: torch.Tensor,
-                head: torch.Tensor, rope, steps: int, decay: float
+                head: torch.Tensor, rope, steps: int, decay: float, lengths: torch.Tensor | None = None
                 ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
-    """Per-step KL losses (weighted by decay^k) and top-1 agreement counts for one sequence. h [T, dim]: the
+    """Per-step KL losses (mean over the predicted tokens, weighted by decay^k) and top-1 agreement counts for one
+    sequence, or for B right-padded ones (A [B, T, .], h [B, T, dim], tokens [B, T], their `lengths` [B]). h: the
     trunk's final hidden states (after its norm), whose head rows give the teacher."""
+    if tokens.dim() == 1:
+        A, h, tokens = A[None], h[None], tokens[None]
+    B, T = tokens.shape
+    if lengths is None:
+        lengths = torch.full((B,), T, device=tokens.device)
     outs = net.unroll(A, tokens, E, rope.cos, rope.sin, steps)
     # the draft-vocabulary matmuls are most of the work: bf16 (AMX / AVX-512 BF16 where the CPU has them), the teacher
     # once for all steps; log-softmax and KL in float32
     head16 = head.to(torch.bfloat16)
     with torch.no_grad():
-        teacher = torch.log_softmax((h[1:].to(torch.bfloat16) @ head16.T).float(), dim=-1)  # once for all steps
+        teacher = torch.log_softmax((h[:, 1:].to(torch.bfloat16) @ head16.T).float(), dim=-1)  # once for all steps
         top = teacher.argmax(-1)
     losses, acc = [], []
     for k, out in enumerate(outs):
-        n = out.shape[0]
+        n = out.shape[1]
+        valid = torch.arange(n, device=tokens.device)[None] < (lengths[:, None] - 1 - k)  # t_{p+1+k} in the sequence
+        count = int(valid.sum())
+        if count == 0:
+            break
         logq = torch.log_softmax((out.to(torch.bfloat16) @ head16.T).float(), dim=-1)
-        tgt = teacher[k:k + n]
-        losses.append(decay ** k * F.kl_div(logq, tgt, log_target=True, reduction="batchmean"))
-        acc.append((int((logq.detach().argmax(-1) == top[k:k + n]).sum()), n))
+        tgt = teacher[:, k:k + n]
+        kl = F.kl_div(logq, tgt, log_target=True, reduction="none").sum(-1)  # [B, n]
+        losses.append(decay ** k * (kl * valid).sum() / count)
+        acc.append((int(((logq.detach().argmax(-1) == top[:, k:k + n]) & valid).sum()), count))
     return losses, acc
