@@ -198,8 +198,9 @@ def test_heads_in_one_call_equal_each_head_alone(cls, dtype):
 @pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_amx_rows_are_the_vnni_rows(cls, dtype):
-    """The AMX path (tiles of up to 16 rows: verification, batches, prefill) gives bitwise the outputs of the VNNI
-    path, for every T (across tile boundaries), fused norm / SwiGLU / residual included; and T = 1 is VNNI's."""
+    """The AMX path (tiles of 10 to 16 rows: verification, batches, prefill) gives bitwise the outputs of the VNNI
+    path, for every T (full and partial tiles, across tile boundaries, VNNI passes of up to 9 rows), fused norm /
+    SwiGLU / residual included; and T = 1 is VNNI's."""
     from specdec.models.transformer import RMSNorm
 
     k, n = 576, 1536
@@ -212,7 +213,7 @@ def test_amx_rows_are_the_vnni_rows(cls, dtype):
         for on in (False, True):
             assert kernels.set_amx(on) == on
             runs[on] = [(lin(x[:T]), lin.apply(x[:T], norm=norm, swiglu=True), lin.apply(x[:T], residual=r[:T]))
-                        for T in (1, 2, 5, 16, 17, 37)]
+                        for T in (1, 2, 5, 9, 10, 12, 15, 16, 17, 26, 31, 37)]
     finally:
         kernels.set_amx(True)
     for amx, vnni in zip(runs[True], runs[False], strict=True):
@@ -221,3 +222,5 @@ def test_amx_rows_are_the_vnni_rows(cls, dtype):
     whole = runs[True][-1][0]  # and each row alone (VNNI) is its row of 37 (AMX)
     for t in (0, 15, 16, 36):
         assert torch.equal(lin(x[t:t + 1]), whole[t:t + 1])
+    for T in (10, 12, 26, 31):  # rows on a partial tile (and after a full one) are their rows of 37 too
+        assert torch.equal(runs[True][[1, 2, 5, 9, 10, 12, 15, 16, 17, 26, 31, 37].index(T)][0], whole[:T])

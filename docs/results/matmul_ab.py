@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import subprocess
 import tempfile
@@ -24,13 +25,17 @@ SHAPES = [(Int4Linear, 3072, 576), (Int4Linear, 16384, 2048), (Int8Linear, 2048,
 TS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 32)
 
 
-def build(source: Path, out: Path) -> ctypes.CDLL:
-    """matmul.c compiled as kernels.matmul_lib() compiles it, argument types as it sets them."""
-    subprocess.run(["cc", *kernels.FLAGS, "-I", str(kernels.SOURCE.parent), "-o", str(out), str(source)], check=True)
+def build(source: Path, out: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """matmul.c compiled as kernels.matmul_lib() compiles it (plus -D `defines`), argument types as it sets them,
+    AMX on as matmul_lib() turns it on."""
+    subprocess.run(["cc", *kernels.FLAGS, *(f"-D{d}" for d in defines), "-I", str(kernels.SOURCE.parent), "-o",
+                    str(out), str(source)], check=True)
     dll = ctypes.CDLL(str(out))
     ptr, i = ctypes.c_void_p, ctypes.c_int
     dll.specdec_matmul.restype = i
     dll.specdec_matmul.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, i, ptr, ctypes.c_float, i, ptr]
+    dll.specdec_matmul_amx.argtypes = [i]
+    dll.specdec_matmul_amx(int(os.environ.get("SPECDEC_AMX", "1") != "0"))
     return dll
 
 

@@ -64,12 +64,30 @@
 
 #define GROUP 32
 #define LANES 16
-/* activation rows per pass over a block's weights (register blocking): int4 keeps two accumulators per row, int8
-   one; more rows spill registers (a 16384 x 2048 int4 call at T = 9: 0.85 ms with 6 rows, 0.88 with 4, 0.98 with
-   8; 3072 x 2048 int8 at T = 8: 0.12 ms with 8 rows, 0.17 with 4) */
+/* activation rows per pass over a block's weights (register blocking). AVX-512: one accumulator a row in the pass
+   (int4's minimum term fused into it only up to YM_FUSED_MAX rows, else in a pass of its own), up to 9 rows, and
+   passes of AMX_MIN_ROWS..16 rows on tiles where the CPU has AMX. In whole forwards of the 1B-shaped Q4_0 file at 256
+   cached tokens (docs/results/forward-ab-rows9-amx10.txt, against 6 int4 / 8 int8 rows a pass, two accumulators,
+   tiles for whole 16-row tiles only): T = 7..12 1.20x faster (T = 9 55.7 -> 46.2 ms), T = 1 1.05x, T = 16 1.07x;
+   10 rows on VNNI or tiles below 10 rows were slower (T = 8 on tiles 45.6 ms against 42.1). */
 #if HAVE_VNNI
-#define ROWS4 6
-#define ROWS8 8
+#ifndef VNNI_ROWS4
+#define VNNI_ROWS4 9
+#endif
+#ifndef VNNI_ROWS8
+#define VNNI_ROWS8 9
+#endif
+#define ROWS4 VNNI_ROWS4
+#define ROWS8 VNNI_ROWS8
+#ifndef YM_FUSED_MAX
+#define YM_FUSED_MAX 6
+#endif
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 10
+#endif
+#if AMX_MIN_ROWS < 10
+#error "AMX_CASES below instantiates tile heights 10..16 only"
+#endif
 #else /* AVX2: 16 vector registers, not 32; int8 keeps two accumulators per row (docs/results/avx2-matmul.txt) */
 #define ROWS4 AVX2_ROWS4
 #define ROWS8 AVX2_ROWS8
@@ -109,9 +127,10 @@ typedef struct {
 } __attribute__((packed)) tile_config;
 static __thread int amx_rows = 0; /* rows of the tile configuration this thread last loaded (0: load it again) */
 
-/* Tiles: 0-3 = C (int32 [nt, 16]) of four consecutive groups, 4-5 = A (activation codes, s8 [nt, 32]), 6-7 = B
-   (weight codes, u8 [8, 64]: the VNNI layout of a block and group is already AMX's packed B layout, four inputs of
-   each of 16 outputs per row). Tiles are not renamed: four groups in flight let their loads and products overlap. */
+/* Tiles: 0-3 = C (int32 [nt, 16]) of four consecutive groups (int8) or of two pairs (int4, pipelined), 4-5 = A
+   (activation codes, s8 [nt, 32]), 6-7 = B (weight codes, u8 [8, 64]: the VNNI layout of a block and group is
+   already AMX's packed B layout, four inputs of each of 16 outputs per row). Tiles are not renamed: several groups in
+   flight let their loads and products overlap. */
 static inline void amx_configure(int nt) {
     if (amx_rows == nt) return;
     tile_config cfg;
@@ -222,10 +241,14 @@ static inline __m512i group_dot(const __m512i u[8], const int8_t *q) {
     return _mm512_add_epi32(a0, a1);
 }
 
-/* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS4. The scale and minimum terms accumulate
-   apart (y, ym), so each row's dependency chain is one FMA per group. */
-static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
-                              const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
+/* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS4: the scale term over every group (one FMA
+   per row and group), then the minimum term in its own pass (its own chain, as before: the same sums), so a pass
+   keeps one accumulator a row in registers and takes up to ROWS4 rows. Inlined with nt a constant (ROW_CASES
+   below): with nt a variable GCC kept the accumulators on the stack. */
+static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w, const uint16_t *s, const uint16_t *z,
+                                                               int G, const int8_t *qx, const float *d,
+                                                               const float *ds, int K, int t0, const int nt,
+                                                               float *acc_out) {
     __m512 y[ROWS4], ym[ROWS4];
     for (int r = 0; r < ROWS4; r++) y[r] = ym[r] = _mm512_setzero_ps();
     const __m512i lo = _mm512_set1_epi8(0x0F);
@@ -243,21 +266,30 @@ static inline void block_int4(const uint8_t *w, const uint16_t *s, const uint16_
             u[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
         }
         __m512 sg = load_bf16x16(s + (long)g * LANES);
+        for (int r = 0; r < nt; r++) {
+            __m512i a = group_dot(u, qx + (long)(t0 + r) * K + (long)g * GROUP);
+            y[r] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(d[(long)(t0 + r) * G + g])), _mm512_cvtepi32_ps(a),
+                                   y[r]);
+        }
+        if (nt <= YM_FUSED_MAX) { /* few rows: the minimum term in this loop, registers to spare */
+            __m512 mg = z ? _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES))
+                          : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
+            for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
+        }
+    }
+    for (int g = 0; g < G && nt > YM_FUSED_MAX; g++) {
+        __m512 sg = load_bf16x16(s + (long)g * LANES);
         /* z - 8 s; symmetric weights (GGUF Q4_0: z = 0) store no zeros, and -8 s is the same number */
         __m512 mg = z ? _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES))
                       : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
-        for (int r = 0; r < nt; r++) {
-            __m512i a = group_dot(u, qx + (long)(t0 + r) * K + (long)g * GROUP);
-            long gi = (long)(t0 + r) * G + g;
-            y[r] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(d[gi])), _mm512_cvtepi32_ps(a), y[r]);
-            ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[gi]), ym[r]);
-        }
+        for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
     }
     for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
 }
 
-static inline void block_int8(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
-                              const float *c, int K, int t0, int nt, float *acc_out) {
+static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w, const uint16_t *s, int G,
+                                                               const int8_t *qx, const float *d, const float *c,
+                                                               int K, int t0, const int nt, float *acc_out) {
     __m512 y[ROWS8];
     for (int r = 0; r < ROWS8; r++) y[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
@@ -488,11 +520,16 @@ static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w,
     }
 }
 
-/* One copy of block_int4_n / block_int8_n per row count 1..8 (those above ROWS4 / ROWS8 are never called) */
+#endif
+
+#if HAVE_KERNEL
+/* One copy of block_int4_n / block_int8_n per row count 1..16 (those above ROWS4 / ROWS8 are never called) */
 #define ROW_CASES(CALL) \
     switch (nt) { \
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
-    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; case 8: CALL(8); break; \
+    case 9: CALL(9); break; case 10: CALL(10); break; case 11: CALL(11); break; case 12: CALL(12); break; \
+    case 13: CALL(13); break; case 14: CALL(14); break; case 15: CALL(15); break; default: CALL(16); break; \
     }
 
 static void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx, const float *d,
@@ -543,48 +580,97 @@ static inline void amx_groups(const int8_t *qx, int K, const uint8_t *b, long bs
     if (m > 3) _tile_stored(3, c + 3 * AMX_ROWS * LANES, 64);
 }
 
-/* block_int4 for up to AMX_ROWS rows, the dot products from the tiles: the same float operations per row and group,
-   in the same order. */
-static void block_int4_amx(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
-                           const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
-    __m512 y[AMX_ROWS], ym[AMX_ROWS];
-    int32_t c[4 * AMX_ROWS * LANES] __attribute__((aligned(64)));
-    uint8_t u[4 * 512] __attribute__((aligned(64)));
-    for (int r = 0; r < AMX_ROWS; r++) y[r] = ym[r] = _mm512_setzero_ps();
+/* Pairs of groups, software-pipelined: pair p + 1's tile products (C tiles 0-1 or 2-3, alternately, into the other
+   half of c) are issued before pair p's float rescaling, so the tile unit works while the vector units rescale. */
+#define AMX_PAIR(C0, C1)                                                                                              \
+    do {                                                                                                              \
+        _tile_zero(C0);                                                                                               \
+        _tile_loadd(4, qx, K);                                                                                        \
+        _tile_loadd(6, b, 64);                                                                                        \
+        _tile_dpbsud(C0, 4, 6);                                                                                       \
+        if (m > 1) {                                                                                                  \
+            _tile_zero(C1);                                                                                           \
+            _tile_loadd(5, qx + GROUP, K);                                                                            \
+            _tile_loadd(7, b + bstep, 64);                                                                            \
+            _tile_dpbsud(C1, 5, 7);                                                                                   \
+        }                                                                                                             \
+        _tile_stored(C0, c, 64);                                                                                      \
+        if (m > 1) _tile_stored(C1, c + AMX_ROWS * LANES, 64);                                                        \
+    } while (0)
+
+/* The [nt, 16] integer dot products of m <= 2 consecutive groups into c [2][AMX_ROWS * 16]: qx at the first group's
+   codes of row t0 (row stride K), b the groups' weight codes (512 bytes each, VNNI layout, stride bstep). */
+static inline void amx_pair(const int8_t *qx, int K, const uint8_t *b, long bstep, int m, int32_t *c, int odd) {
+    if (odd)
+        AMX_PAIR(2, 3);
+    else
+        AMX_PAIR(0, 1);
+}
+
+/* A pair's nibbles unpacked to bytes (8 rows of 64 per group), the layout AMX's B tile takes */
+static inline void amx_unpack4(const uint8_t *w, int m, uint8_t *u) {
     const __m512i lo = _mm512_set1_epi8(0x0F);
-    amx_configure(nt);
-    for (int g0 = 0; g0 < G; g0 += 4) {
-        int m = G - g0 < 4 ? G - g0 : 4;
-        for (int j = 0; j < m; j++) { /* the nibbles unpacked to bytes: 8 rows of 64 per group */
-            const uint8_t *wg = w + (long)(g0 + j) * 256;
+    for (int j = 0; j < m; j++) {
 #if PREFETCH
-            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wg + PREFETCH + 64 * i), _MM_HINT_T0);
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(w + 256 * j + PREFETCH + 64 * i), _MM_HINT_T0);
 #endif
-            for (int i = 0; i < 4; i++) {
-                __m512i p = _mm512_loadu_si512((const void *)(wg + 64 * i));
-                _mm512_store_si512((void *)(u + 512 * j + 128 * i), _mm512_and_si512(p, lo));
-                _mm512_store_si512((void *)(u + 512 * j + 128 * i + 64), _mm512_and_si512(_mm512_srli_epi16(p, 4), lo));
-            }
+        for (int i = 0; i < 4; i++) {
+            __m512i p = _mm512_loadu_si512((const void *)(w + 256 * j + 64 * i));
+            _mm512_store_si512((void *)(u + 512 * j + 128 * i), _mm512_and_si512(p, lo));
+            _mm512_store_si512((void *)(u + 512 * j + 128 * i + 64), _mm512_and_si512(_mm512_srli_epi16(p, 4), lo));
         }
-        amx_groups(qx + (long)t0 * K + (long)g0 * GROUP, K, u, 512, m, c);
+    }
+}
+
+/* block_int4 for nt <= AMX_ROWS rows, the dot products from the tiles: the same float operations per row and group,
+   in the same order (the minimum term in its own pass, as block_int4_n does above YM_FUSED_MAX rows). Inlined with
+   nt a constant (AMX_CASES) so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void block_int4_amx_n(const uint8_t *w, const uint16_t *s,
+                                                                   const uint16_t *z, int G, const int8_t *qx,
+                                                                   const float *d, const float *ds, int K, int t0,
+                                                                   const int nt, float *acc_out) {
+    __m512 y[AMX_ROWS];
+    int32_t c[2][2 * AMX_ROWS * LANES] __attribute__((aligned(64)));
+    uint8_t u[2][2 * 512] __attribute__((aligned(64)));
+    for (int r = 0; r < AMX_ROWS; r++) y[r] = _mm512_setzero_ps();
+    amx_configure(nt);
+    const int8_t *q0 = qx + (long)t0 * K;
+    int pairs = (G + 1) / 2;
+    amx_unpack4(w, G < 2 ? G : 2, u[0]);
+    amx_pair(q0, K, u[0], 512, G < 2 ? G : 2, c[0], 0);
+    for (int p = 0; p < pairs; p++) {
+        int g0 = 2 * p, m = G - g0 < 2 ? G - g0 : 2;
+        if (p + 1 < pairs) {
+            int g1 = g0 + 2, m1 = G - g1 < 2 ? G - g1 : 2;
+            amx_unpack4(w + (long)g1 * 256, m1, u[(p + 1) & 1]);
+            amx_pair(q0 + (long)g1 * GROUP, K, u[(p + 1) & 1], 512, m1, c[(p + 1) & 1], (p + 1) & 1);
+        }
         for (int j = 0; j < m; j++) {
             int g = g0 + j;
             __m512 sg = load_bf16x16(s + (long)g * LANES);
-            __m512 mg = z ? _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES))
-                          : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
             for (int r = 0; r < nt; r++) {
-                __m512i a = _mm512_load_si512((const void *)(c + (j * AMX_ROWS + r) * LANES));
+                __m512i a = _mm512_load_si512((const void *)(c[p & 1] + (j * AMX_ROWS + r) * LANES));
                 long gi = (long)(t0 + r) * G + g;
                 y[r] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(d[gi])), _mm512_cvtepi32_ps(a), y[r]);
-                ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[gi]), ym[r]);
             }
         }
+    }
+    __m512 ym[AMX_ROWS];
+    for (int r = 0; r < AMX_ROWS; r++) ym[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512 sg = load_bf16x16(s + (long)g * LANES);
+        __m512 mg = z ? _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES))
+                      : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
+        for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
     }
     for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
 }
 
-static void block_int8_amx(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
-                           const float *cr, int K, int t0, int nt, float *acc_out) {
+/* block_int8 for nt <= AMX_ROWS rows on tiles, four groups in flight (amx_groups: pipelining pairs as int4 does
+   measured slower for int8, whose weights need no unpacking: 2048 x 2048 at T = 32 335 us against 271) */
+static inline __attribute__((always_inline)) void block_int8_amx_n(const uint8_t *w, const uint16_t *s, int G,
+                                                                   const int8_t *qx, const float *d, const float *cr,
+                                                                   int K, int t0, const int nt, float *acc_out) {
     __m512 y[AMX_ROWS];
     int32_t c[4 * AMX_ROWS * LANES] __attribute__((aligned(64)));
     for (int r = 0; r < AMX_ROWS; r++) y[r] = _mm512_setzero_ps();
@@ -606,6 +692,27 @@ static void block_int8_amx(const uint8_t *w, const uint16_t *s, int G, const int
     for (int r = 0; r < nt; r++)
         _mm512_storeu_ps(acc_out + r * LANES, _mm512_mul_ps(_mm512_sub_ps(y[r], _mm512_set1_ps(cr[t0 + r])), sr));
 }
+
+/* One copy per tile height AMX_MIN_ROWS..16 (rows below AMX_MIN_ROWS take the VNNI path) */
+#define AMX_CASES(CALL)                                                                                               \
+    switch (nt) {                                                                                                     \
+    case 10: CALL(10); break; case 11: CALL(11); break; case 12: CALL(12); break; case 13: CALL(13); break;           \
+    case 14: CALL(14); break; case 15: CALL(15); break; default: CALL(16); break;                                     \
+    }
+
+static void block_int4_amx(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
+                           const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
+#define CALLA4(n) block_int4_amx_n(w, s, z, G, qx, d, ds, K, t0, n, acc_out)
+    AMX_CASES(CALLA4)
+#undef CALLA4
+}
+
+static void block_int8_amx(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
+                           const float *cr, int K, int t0, int nt, float *acc_out) {
+#define CALLA8(n) block_int8_amx_n(w, s, G, qx, d, cr, K, t0, n, acc_out)
+    AMX_CASES(CALLA8)
+#undef CALLA8
+}
 #endif
 
 #if HAVE_AMX /* another library (oneDNN under PyTorch) may have loaded its own tile configuration since */
@@ -621,16 +728,18 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
                       const int8_t *qx, const float *d, const float *ds, const float *c, int K, int T, float *acc) {
     long wblock = (long)G * (bits == 4 ? 256 : 512); /* bytes of codes per block of 16 rows */
 #if HAVE_AMX
-    int t_amx = 0; /* rows done on full 16-row tiles; the rest below on VNNI (fewer rows gain nothing from tiles: a
-                      3072 x 576 int4 product at T = 2 took 41 us on tiles, 23 us on VNNI; at 16 rows 83 against 108;
-                      docs/results/amx-matmul.txt) */
+    int t_amx = 0; /* rows done on tiles of 16, then one of AMX_MIN_ROWS..15 rows; the rest below on VNNI (fewer rows
+                      gain nothing from tiles: a 3072 x 576 int4 product at T = 2 took 41 us on tiles, 23 us on VNNI;
+                      at 16 rows 83 against 108; docs/results/amx-matmul.txt) */
     if (amx_on)
-        for (; t_amx + AMX_ROWS <= T; t_amx += AMX_ROWS) {
+        while (T - t_amx >= AMX_MIN_ROWS || T - t_amx >= AMX_ROWS) {
+            int nt = T - t_amx < AMX_ROWS ? T - t_amx : AMX_ROWS;
             if (bits == 4)
                 block_int4_amx(w + b * wblock, s + b * G * LANES, z ? z + b * G * LANES : NULL, G, qx, d, ds, K,
-                               t_amx, AMX_ROWS, acc + t_amx * LANES);
+                               t_amx, nt, acc + t_amx * LANES);
             else
-                block_int8_amx(w + b * wblock, s + b * LANES, G, qx, d, c, K, t_amx, AMX_ROWS, acc + t_amx * LANES);
+                block_int8_amx(w + b * wblock, s + b * LANES, G, qx, d, c, K, t_amx, nt, acc + t_amx * LANES);
+            t_amx += nt;
         }
 #else
     int t_amx = 0;
