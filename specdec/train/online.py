@@ -218,6 +218,8 @@ def train(a: argparse.Namespace) -> int:
         chats = [tok.encode_chat([{"role": "user", "content": p}]) for p in todo]
         seqs = []
         for temp in a.temps if chats else ():
+            if time.time() > deadline - a.reserve:  # a long round stops at the deadline: the answers so far count
+                break
             seqs += [c + ans for c, (ans, _) in zip(chats, sample(hf, chats, temp, 0.95, a.max_new, eog,
                                                                   a.gen_batch), strict=True)]
         tf = time.time()
@@ -243,6 +245,8 @@ def train(a: argparse.Namespace) -> int:
         hit = [0] * a.depth
         cnt = [0] * a.depth
         for b in batches(seqs, a.batch_tokens, rng):
+            if time.time() > deadline - a.reserve:
+                break
             T = max(map(len, b))
             x = torch.full((len(b), T), eog[0], dtype=torch.long)
             for j, s in enumerate(b):
