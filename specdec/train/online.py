@@ -26,9 +26,11 @@ import argparse
 import gzip
 import json
 import math
+import multiprocessing as mp
 import random
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -168,9 +170,7 @@ def train(a: argparse.Namespace) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
+    # the filters in a process of their own (spawned before the device is touched), one round behind the device
     pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_init_filters,
                                initargs=(a.spec_bench,))
     hf, tok, lm = load_trunk(Path(a.model), dev)
