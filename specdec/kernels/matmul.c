@@ -226,6 +226,13 @@ static inline void store_out(void *out, int bf16, long i, __m512 y) {
     }
 }
 
+/* The minimum term's per-output factor of group g: z - 8 s; symmetric weights (GGUF Q4_0: z = 0) store no zeros, and
+   -8 s is the same number */
+static inline __m512 min_scale(__m512 sg, const uint16_t *z, int g) {
+    return z ? _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES))
+             : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
+}
+
 /* One activation row's 16 integer dot products with a group's weight codes u (8 vectors, see the header). */
 static inline __m512i group_dot(const __m512i u[8], const int8_t *q) {
     /* two independent chains of 4 (VPDPBUSD's latency is ~5 cycles), added at the end: integer sums, so the
@@ -272,16 +279,13 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
                                    y[r]);
         }
         if (nt <= YM_FUSED_MAX) { /* few rows: the minimum term in this loop, registers to spare */
-            __m512 mg = z ? _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES))
-                          : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
+            __m512 mg = min_scale(sg, z, g);
             for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
         }
     }
     for (int g = 0; g < G && nt > YM_FUSED_MAX; g++) {
         __m512 sg = load_bf16x16(s + (long)g * LANES);
-        /* z - 8 s; symmetric weights (GGUF Q4_0: z = 0) store no zeros, and -8 s is the same number */
-        __m512 mg = z ? _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES))
-                      : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
+        __m512 mg = min_scale(sg, z, g);
         for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
     }
     for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
@@ -659,8 +663,7 @@ static inline __attribute__((always_inline)) void block_int4_amx_n(const uint8_t
     for (int r = 0; r < AMX_ROWS; r++) ym[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         __m512 sg = load_bf16x16(s + (long)g * LANES);
-        __m512 mg = z ? _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sg, load_bf16x16(z + (long)g * LANES))
-                      : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
+        __m512 mg = min_scale(sg, z, g);
         for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
     }
     for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
