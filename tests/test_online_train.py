@@ -39,11 +39,12 @@ def test_trunk_matches_specdec_forward(tmp_path):
 def test_online_training_end_to_end(tmp_path):
     path = write_gguf("llama", tmp_path / "t.gguf", seed=4)
     out = tmp_path / "out"
-    assert main(["train", str(path), "-o", str(out), "--device", "cpu", "--minutes", "0.5", "--reserve", "2",
+    assert main(["train", str(path), "-o", str(out), "--device", "cpu", "--minutes", "10", "--rounds", "3",
                  "--prompt-batch", "6", "--gen-batch", "32", "--max-new", "12", "--prompt-max", "16", "--temps", "0,1",
                  "--vocab", "512", "--vocab-tokens", "100", "--batch-tokens", "256", "--ffn", "32",
                  "--checkpoints", "200", "--seed-prompts", str(SEED_TASKS)]) == 0
     log = json.loads((out / "online-log.json").read_text())
+    assert len(log["rounds"]) == 3  # --rounds, well inside --minutes
     rounds = [r for r in log["rounds"] if r.get("steps")]
     assert rounds and rounds[-1]["trained_tokens"] >= 200
     assert sum(log["rounds"][-1]["filters"].values()) + log["rounds"][-1]["kept_prompts"] >= 6  # every candidate
@@ -56,3 +57,20 @@ def test_online_training_end_to_end(tmp_path):
     assert header["kind"] == "eagle3" and header["train"]["tokens"] == log["checkpoints"][-1]["tokens"]
     kind, mods, _ = load_heads(heads, load(path, ctx=256))
     assert kind == "eagle3" and len(mods) == 1
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "missing.gguf"), "-o", str(tmp_path / "o"), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: model not found: {tmp_path / 'missing.gguf'}"
+    gemma = write_gguf("gemma3", tmp_path / "g.gguf", seed=1)
+    assert main(["train", str(gemma), "-o", str(tmp_path / "o"), "--device", "cpu"]) == 2
+    assert "supports plain Llama trunks" in capsys.readouterr().err
+    not_ckpt = tmp_path / "x.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(not_ckpt))
+    assert main(["pack", str(not_ckpt), "-m", str(gemma), "-o", str(tmp_path / "h.safetensors")]) == 2
+    assert "not an online-training checkpoint" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["train", str(gemma), "-o", str(tmp_path / "o")]) == 2  # --device cuda by default
+        assert "sees no CUDA device" in capsys.readouterr().err

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import ModelError
+
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -56,7 +58,7 @@ def load_trunk(path: Path, device: torch.device, dtype: torch.dtype = torch.bflo
     lm = read_model(path)
     a = lm.args
     if a.family != "llama" or a.qkv_bias or a.qk_norm or a.rope_scaling:
-        raise SystemExit(f"online training supports plain Llama trunks (no biases, q/k norms or RoPE scaling), not "
+        raise ModelError(f"online training supports plain Llama trunks (no biases, q/k norms or RoPE scaling), not "
                          f"{a.arch}")
     cfg = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_dim,
                       num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
@@ -170,10 +172,11 @@ def train(a: argparse.Namespace) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    # the filters in a process of their own (spawned before the device is touched), one round behind the device
+    hf, tok, lm = load_trunk(Path(a.model), dev)
+    # the filters in a process of their own (spawned, not forked from a process holding the device), one round
+    # behind the device
     pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_init_filters,
                                initargs=(a.spec_bench,))
-    hf, tok, lm = load_trunk(Path(a.model), dev)
     args = lm.args
     aux = default_aux_layers(args.n_layers)
     feats = Features(hf, aux)
@@ -210,7 +213,7 @@ def train(a: argparse.Namespace) -> int:
         _log(f"saved {name}: {trained:,} tokens, {steps} steps")
 
     todo = list(seeds)  # prompts to answer this round: the seeds, then the previous round's kept Magpie prompts
-    while time.time() + 1.3 * round_s < deadline - a.reserve:
+    while time.time() + 1.3 * round_s < deadline - a.reserve and (not a.rounds or r < a.rounds):
         tr = time.time()
         cand = sample(hf, [prefix] * a.prompt_batch, a.prompt_temp, 0.99, a.prompt_max, eog, a.gen_batch)
         texts = [tok.decode(c[:-1] if fin else c, skip_special_tokens=True).strip() for c, fin in cand]
@@ -302,7 +305,7 @@ def pack(a: argparse.Namespace) -> int:
     with safe_open(a.checkpoint, "pt") as f:
         meta = json.loads((f.metadata() or {}).get("specdec_online", "null") or "null")
     if meta is None:
-        raise SystemExit(f"{a.checkpoint} is not an online-training checkpoint (no specdec_online metadata)")
+        raise ValueError(f"{a.checkpoint} is not an online-training checkpoint (no specdec_online metadata)")
     target = load(a.model, ctx=2048)
     tensors = {k: v.float() if v.is_floating_point() else v for k, v in load_file(a.checkpoint).items()}
     summary = {"kind": "eagle3", "depth": a.depth, "tokens": meta["tokens"], "steps": meta["steps"],
@@ -326,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--device", default="cuda")
     t.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget, loading included")
     t.add_argument("--reserve", type=float, default=20.0, help="seconds kept for the final writes")
+    t.add_argument("--rounds", type=int, default=0, help="stop after this many rounds (0: when --minutes run out)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--seed-prompts", default=str(SEED_TASKS))
     t.add_argument("--spec-bench", default=str(SPEC_BENCH), help="turns never used as prompts (filter)")
@@ -351,7 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", default=None, help="the run's online-log.json, kept in the heads' summary")
     p.add_argument("--depth", type=int, default=3)
     a = ap.parse_args(argv)
-    return train(a) if a.cmd == "train" else pack(a)
+    try:
+        if a.cmd == "train" and a.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {a.device}: this machine's PyTorch sees no CUDA device (use --device cpu, "
+                             "slowly, or run it where a GPU is)")
+        return train(a) if a.cmd == "train" else pack(a)
+    except (ModelError, ValueError, OSError) as e:  # a one-line error, as the specdec command gives
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
