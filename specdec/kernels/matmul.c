@@ -233,6 +233,15 @@ static inline __m512 min_scale(__m512 sg, const uint16_t *z, int g) {
              : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
 }
 
+/* The minimum term of rows [t0, t0 + nt) over every group, one chain a row (the same sums wherever it runs) */
+static inline __attribute__((always_inline)) void min_term(const uint16_t *s, const uint16_t *z, int G,
+                                                           const float *ds, int t0, const int nt, __m512 *ym) {
+    for (int g = 0; g < G; g++) {
+        __m512 mg = min_scale(load_bf16x16(s + (long)g * LANES), z, g);
+        for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
+    }
+}
+
 /* One activation row's 16 integer dot products with a group's weight codes u (8 vectors, see the header). */
 static inline __m512i group_dot(const __m512i u[8], const int8_t *q) {
     /* two independent chains of 4 (VPDPBUSD's latency is ~5 cycles), added at the end: integer sums, so the
@@ -283,11 +292,7 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
             for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
         }
     }
-    for (int g = 0; g < G && nt > YM_FUSED_MAX; g++) {
-        __m512 sg = load_bf16x16(s + (long)g * LANES);
-        __m512 mg = min_scale(sg, z, g);
-        for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
-    }
+    if (nt > YM_FUSED_MAX) min_term(s, z, G, ds, t0, nt, ym);
     for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
 }
 
@@ -661,11 +666,7 @@ static inline __attribute__((always_inline)) void block_int4_amx_n(const uint8_t
     }
     __m512 ym[AMX_ROWS];
     for (int r = 0; r < AMX_ROWS; r++) ym[r] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        __m512 sg = load_bf16x16(s + (long)g * LANES);
-        __m512 mg = min_scale(sg, z, g);
-        for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
-    }
+    min_term(s, z, G, ds, t0, nt, ym);
     for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
 }
 

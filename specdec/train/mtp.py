@@ -411,10 +411,16 @@ def _trunk_last_layer(target) -> dict[str, torch.Tensor]:
     """The trunk's last layer as float tensors (dequantized again from the file), and its output norm."""
     from ..weights import read_model
 
-    lm = read_model(target.path)
-    prefix = f"blk.{target.model.args.n_layers - 1}."
+    # the output norm as the model applies it (Gemma's 1 + w folded in)
+    return last_layer(read_model(target.path), target.model.output_norm[0])
+
+
+def last_layer(lm, output_norm: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A file's last decoder layer (weights.LoadedModel, read lazily) as float tensors under its short names
+    (attn_q, ffn_gate, ...), and `output_norm`: the init of a draft layer (TrainSequential / TrainEagle3)."""
+    prefix = f"blk.{lm.args.n_layers - 1}."
     out = {n[len(prefix):]: lm.weights[n].float() for n in lm.weights if n.startswith(prefix)}
-    out["output_norm"] = target.model.output_norm[0].float()  # as the model applies it (Gemma's 1 + w folded in)
+    out["output_norm"] = output_norm.float()
     return out
 
 

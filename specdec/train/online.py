@@ -162,7 +162,7 @@ def train(a: argparse.Namespace) -> int:
     from ..models.transformer import make_rope
     from .data import FilterConfig, Filters, prefix_tokens, seed_prompts, spec_bench_turns
     from .eagle3 import TrainEagle3, eagle3_loss
-    from .mtp import draft_vocab
+    from .mtp import draft_vocab, last_layer
 
     t0 = time.time()
     deadline = t0 + a.minutes * 60
@@ -185,10 +185,8 @@ def train(a: argparse.Namespace) -> int:
     evals = Filters(FilterConfig(), spec_bench_turns(a.spec_bench))
     seeds = [p for p in seed_prompts(a.seed_prompts) if not evals.is_eval(p)] if a.seed_prompts else []
     E = hf.model.embed_tokens.weight.detach().float()  # [V, dim]: tied, so also the target's head
-    prefix_layer = f"blk.{args.n_layers - 1}."
-    init = {n[len(prefix_layer):]: lm.weights[n].float() for n in lm.weights if n.startswith(prefix_layer)}
-    init["output_norm"] = lm.weights["output_norm"].float()
-    net = TrainEagle3(draft_args(args), a.ffn, len(aux), init).to(dev)
+    # a Llama trunk's output norm is applied as stored
+    net = TrainEagle3(draft_args(args), a.ffn, len(aux), last_layer(lm, lm.weights["output_norm"])).to(dev)
     opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.0)
     rope = make_rope(draft_args(args), 4096, torch.float32, dev)
     _log(f"loaded in {time.time() - t0:.1f} s; eog {eog}; {len(seeds)} seed prompts; aux layers {aux}")
