@@ -61,6 +61,12 @@ class LLM:
         self.mtp = mtp or ((resolve_mtp(target, self.spec.heads) or ()) if self.spec.kind in ("mtp", "auto") else None)
         self.engine = Engine(target.model, max_batch=max_batch)
 
+    def sequence(self, ids: list[int], params: SamplingParams, max_tokens: int, ignore_eos: bool = False) -> Seq:
+        """An engine Sequence for prompt token ids, with its own proposer and draft-length policy (not yet added)."""
+        proposer = build_proposer(self.spec, self.target, params, self.draft, self.mtp)
+        return Seq(ids, params, max_tokens, ignore_eos, proposer, self.spec.policy(),
+                   frozenset(self.target.tokenizer.eog_ids))
+
     def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams] = (),
                  max_tokens: int | Sequence[int] = 256, chat: bool = False, stop: Sequence[str] = (),
                  ignore_eos: bool = False, progress: bool = True, on_output=None) -> list[Output]:
@@ -88,9 +94,7 @@ class LLM:
             while queue or running:
                 while queue and self.engine.free_slots:  # continuous batching: join at the next step
                     i = queue.pop(0)
-                    proposer = build_proposer(self.spec, self.target, params[i], self.draft, self.mtp)
-                    seq = self.engine.add(Seq(ids[i], params[i], limits[i], ignore_eos, proposer,
-                                              self.spec.policy(), eog))
+                    seq = self.engine.add(self.sequence(ids[i], params[i], limits[i], ignore_eos))
                     running[seq.id] = (i, seq, TextStream(tok, stop, None))
                 new = self.engine.step([s for _, s, _ in running.values()])
                 for sid, (i, seq, stream) in list(running.items()):

@@ -95,6 +95,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.batched = model.kernel  # one forward for all sequences needs the attention kernel
         self.active: list[Sequence] = []
+        self.row_cost: dict[int, float] = {}  # rows of a step's forward -> EMA seconds (for attribute())
 
     @property
     def free_slots(self) -> int:
@@ -279,9 +280,9 @@ class Engine:
                 lg, h = m(ids, torch.tensor(pos, device=m.device), s.cache, parents=d.parents, exact=True)
                 rows.append((lg[0], h[0]))
         forward_s = time.perf_counter() - t
-        total_rows = sum(1 + len(d) for _, d, _, _, _ in items)
+        shares = attribute(forward_s, [len(d) for _, d, _, _, _ in items], self.row_cost)
         out: dict[int, list[int]] = {}
-        for (s, draft, kind, draft_s, _), (logits, hidden) in zip(items, rows, strict=True):
+        for (s, draft, kind, draft_s, _), (logits, hidden), share in zip(items, rows, shares, strict=True):
             t = time.perf_counter()
             n = s.cache.length - 1 - len(draft)  # the pending token's slot
             context = s.context() if s.params.penalized else ()
@@ -297,8 +298,7 @@ class Engine:
                 n_acc = len(path)
                 s.cache.keep(n, [n] + [n + 1 + i for i in path])
                 depth = max(depths(draft.parents))
-            # the forward's time, shared by rows: a sequence's policy sees the cost of its own rows
-            elapsed = forward_s * (1 + len(draft)) / total_rows + time.perf_counter() - t
+            elapsed = share + time.perf_counter() - t  # its share of the forward (attribute()), then its verify
             s.stats.verify_s += elapsed
             planned = hasattr(s.proposer, "plan")
             if planned:
@@ -331,6 +331,31 @@ class Engine:
         """Step until every one of `seqs` has finished (a convenience for callers without stop strings)."""
         while any(s.finish is None for s in seqs):
             self.step()
+
+
+def attribute(forward_s: float, drafts: list[int], row_cost: dict[int, float]) -> list[float]:
+    """Each sequence's share of a step's forward (forward_s seconds over one pending row per sequence plus `drafts[i]`
+    draft rows each): an equal share of what the forward would have cost without drafts, F(n) for n sequences, plus the
+    extra time (forward_s - F(n)) split over the draft rows. F comes from row_cost (seconds per row count, kept here as
+    an exponential average), which this call updates.
+
+    The extra time is the drafts' marginal cost: a draft of K rows is worth its expected accepted tokens A when A / (its
+    marginal cost) beats n / F(n), the batch's own rate, and that is what a sequence's draft-length policy concludes
+    from these shares (its rate (1 + A) / (F(n)/n + marginal) against n / F(n) per sequence). Splitting forward_s by
+    rows instead charges a draft the average cost of a row, which at batch 8 is several times the marginal one: 8
+    single-token rows of SmolLM2 took 9.9 ms here and 16 rows 13.6 ms (docs/results/batch-rows-1204.txt), so a draft row
+    at batch 8 looked 2.7x dearer than it is; charged at its marginal cost, `--spec auto` at batch 8 decoded Spec-Bench
+    rag 1.07x faster (docs/results/batch-share-1204.txt). With one sequence the share is forward_s itself. Without a
+    measured F (nothing draft-free seen yet) rows share forward_s equally."""
+    n, rows = len(drafts), len(drafts) + sum(drafts)
+    old = row_cost.get(rows)
+    row_cost[rows] = forward_s if old is None else 0.8 * old + 0.2 * forward_s
+    base = forward_s if rows == n else row_cost.get(n)
+    if n == 1 or base is None:
+        return [forward_s * (1 + k) / rows for k in drafts]
+    base = min(base, forward_s)  # a forward with more rows never costs less: the excess is noise
+    extra = forward_s - base
+    return [base / n + (extra * k / (rows - n) if k else 0.0) for k in drafts]
 
 
 def _record_logprobs(s: Sequence, logits: torch.Tensor, tokens: list[int]) -> None:

@@ -193,4 +193,6 @@ def test_bench_batch_sizes_end_to_end(tmp_path, capsys):
     for r in report["rows"]:
         assert 0 < r["prefill_s"] < r["wall_s"] and r["decode_aggregate_tok_s"] > r["aggregate_tok_s"]
         assert r["decode_aggregate_tok_s"] == pytest.approx(r["tokens"] / (r["wall_s"] - r["prefill_s"]))
+        # lockstep (llama-batched-bench's S_TG): each group prefilled first, then every token after the first decoded
+        assert r["lockstep_tokens"] == 5 * 9 and r["lockstep_tok_s"] == pytest.approx(45 / r["lockstep_s"])
     assert "every batched output is identical" in capsys.readouterr().out

@@ -295,3 +295,21 @@ def test_logprobs_of_accepted_drafts_are_the_targets(target):
         logits, _ = target.model.prefill(ids, target.model.new_cache())
     ref = torch.log_softmax(logits.float(), -1)
     assert abs(lp - float(ref[plain.out[0]])) < 1e-6 and [t for t, _ in alts] == ref.topk(3).indices.tolist()
+
+
+def test_a_batched_forward_charges_drafts_their_marginal_cost():
+    """engine.attribute: alone, a sequence is charged the whole forward; in a batch, every sequence an equal share of
+    the draft-free forward F(n) (measured at an earlier step) and the drafting ones the excess, split by draft rows;
+    before F(n) is known, and under the old rule, rows share the forward equally."""
+    from specdec.engine import attribute
+
+    costs: dict[int, float] = {}
+    assert attribute(0.005, [3], costs) == [0.005]  # one sequence: its rows are the forward
+    assert attribute(0.016, [2, 0, 0, 0, 0, 0, 0, 0], costs) == pytest.approx([0.0048] + [0.0016] * 7)  # F(8) unknown
+    assert attribute(0.008, [0] * 8, costs) == pytest.approx([0.001] * 8)  # a draft-free step measures F(8)
+    assert costs[8] == 0.008
+    shares = attribute(0.0108, [3, 0, 1, 0, 0, 0, 0, 0], costs)  # 12 rows: 2.8 ms over F(8)
+    assert shares == pytest.approx([0.001 + 0.0021, 0.001, 0.001 + 0.0007] + [0.001] * 5)
+    assert sum(shares) == pytest.approx(0.0108)
+    # a drafting step measured faster than F(8) (noise): no negative marginal cost, the forward shared by sequence
+    assert attribute(0.0072, [2] + [0] * 7, costs) == pytest.approx([0.0009] * 8)

@@ -407,11 +407,16 @@ def run_batch_bench(target, modes: list[str], prompts: list[Prompt], n: int, bat
             # generated tokens over the decode steps alone: what llama-batched-bench reports as S_TG
             prefill = sum(o.stats.prefill_s for o in outs)
             decode = toks / (wall - prefill) if wall > prefill else 0.0
+            lock_toks, lock_s, lock_outs = lockstep_decode(llm, ids, n, b, args.ignore_eos)
+            mismatches += [{"mode": mode, "batch": b, "prompt": prompts[i].id, "lockstep": True}
+                           for i, o in enumerate(lock_outs) if o != ref[(mode, 1)][i]]
+            lockstep = lock_toks / lock_s if lock_s > 0 else 0.0
             rows.append({"mode": mode, "batch": b, "aggregate_tok_s": toks / wall, "per_sequence_tok_s": per_seq,
                          "decode_aggregate_tok_s": decode, "prefill_s": prefill, "tokens": toks, "wall_s": wall,
+                         "lockstep_tok_s": lockstep, "lockstep_tokens": lock_toks, "lockstep_s": lock_s,
                          "mean_accepted": st.mean_accepted_length, "acceptance": st.acceptance_rate})
-            print(f"batch {b} {mode}: {toks / wall:.1f} tok/s aggregate, {decode:.1f} without the prefills",
-                  file=sys.stderr)
+            print(f"batch {b} {mode}: {toks / wall:.1f} tok/s aggregate, {decode:.1f} without the prefills, "
+                  f"{lockstep:.1f} in lockstep", file=sys.stderr)
     base = next(r["aggregate_tok_s"] for r in rows if r["mode"] == modes[0] and r["batch"] == 1)
     for r in rows:
         r["vs_plain_batch1"] = r["aggregate_tok_s"] / base
@@ -420,22 +425,47 @@ def run_batch_bench(target, modes: list[str], prompts: list[Prompt], n: int, bat
             "model": str(target.path), "peak_rss_mb": peak_rss_mb()}
 
 
+def lockstep_decode(llm, ids: list[list[int]], n: int, b: int, ignore_eos: bool
+                    ) -> tuple[int, float, list[list[int]]]:
+    """llama-batched-bench's decode measure (S_TG) on the same prompts: groups of b prompts, each group prefilled first
+    (not timed), then decoded together from the step where every member holds its first token until the last one
+    finishes -> (tokens generated in that phase, its seconds, every prompt's output). The continuous-batching run
+    instead lets prompts join and leave, so some of its steps run fewer than b rows."""
+    import time
+
+    tokens, seconds, outs = 0, 0.0, []
+    for g in range(0, len(ids), b):
+        seqs = [llm.engine.add(llm.sequence(p, GREEDY, n, ignore_eos)) for p in ids[g:g + b]]
+        while waiting := [s for s in seqs if s.finish is None and not s.decoding]:  # prefills alone
+            llm.engine.step(waiting)
+        start = sum(len(s.out) for s in seqs)
+        t0 = time.perf_counter()
+        while any(s.finish is None for s in seqs):
+            llm.engine.step(seqs)
+        seconds += time.perf_counter() - t0
+        tokens += sum(len(s.out) for s in seqs) - start
+        outs += [s.out for s in seqs]
+    return tokens, seconds, outs
+
+
 def print_batch_report(report: dict) -> None:
     rows = report["rows"]
     base = next((r.get("decode_aggregate_tok_s") for r in rows if r["batch"] == 1), None)
+    lock1 = next((r.get("lockstep_tok_s") for r in rows if r["batch"] == 1), None)
     print("| batch | mode | aggregate tok/s | vs batch 1 plain | decode tok/s (prefills excluded) | vs batch 1 | "
-          "per-sequence tok/s | mean accepted |")
-    print("|---|---|---|---|---|---|---|---|")
+          "lockstep decode tok/s (as S_TG) | vs batch 1 | per-sequence tok/s | mean accepted |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        dec = r.get("decode_aggregate_tok_s")
+        dec, lock = r.get("decode_aggregate_tok_s"), r.get("lockstep_tok_s")
         cells = f"{dec:.1f} | {dec / base:.2f}" if dec and base else "- | -"
+        cells += f" | {lock:.1f} | {lock / lock1:.2f}" if lock and lock1 else " | - | -"
         print(f"| {r['batch']} | {r['mode']} | {r['aggregate_tok_s']:.1f} | {r['vs_plain_batch1']:.2f} | {cells} | "
               f"{r['per_sequence_tok_s']:.1f} | {r['mean_accepted']:.2f} |")
     peers = report.get("peers", [])
     peer1 = next((p["tg_tok_s"] for p in peers if p["batch"] == 1), None)
     for peer in peers:
         rel = f"{peer['tg_tok_s'] / peer1:.2f}" if peer1 else "-"
-        print(f"| {peer['batch']} | llama.cpp batched-bench (S_TG) | - | - | {peer['tg_tok_s']:.1f} | {rel} | "
+        print(f"| {peer['batch']} | llama.cpp batched-bench (S_TG) | - | - | - | - | {peer['tg_tok_s']:.1f} | {rel} | "
               f"{peer['tg_tok_s'] / peer['batch']:.1f} | - |")
     if report["mismatches"]:
         print(f"\n!!! {len(report['mismatches'])} batched outputs DIFFER from batch 1", file=sys.stderr)
