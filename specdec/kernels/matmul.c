@@ -107,6 +107,20 @@
 #endif
 #endif
 
+#ifndef PREFETCH_L2_ROWS /* VNNI passes of up to this many rows prefetch into L2, longer ones into L1 */
+#define PREFETCH_L2_ROWS 4
+#endif
+/* Decode and short verifications are memory-bound: prefetching into L2 rather than L1 made an 8B-shaped Q4_0 forward
+   188.5 -> 176.0 ms, a 1B-shaped one 31.9 -> 29.1 ms and T = 2-3 1.02-1.07x faster; at T = 4 and 8 it changed nothing
+   (docs/results/prefetch-l2-1204.txt). */
+#define PREFETCH_ROWS(nt, p)                                                                                          \
+    do {                                                                                                              \
+        if ((nt) <= PREFETCH_L2_ROWS)                                                                                 \
+            _mm_prefetch((p), _MM_HINT_T1);                                                                           \
+        else                                                                                                          \
+            _mm_prefetch((p), _MM_HINT_T0);                                                                           \
+    } while (0)
+
 /* Which path this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 none (the kernel is not used). */
 int specdec_matmul_supported(void) { return HAVE_VNNI ? 2 : HAVE_AVX2; }
 
@@ -271,9 +285,9 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
     for (int g = 0; g < G; g++) {
         const uint8_t *wg = w + (long)g * 256;
 #if PREFETCH
-        for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wg + PREFETCH + 64 * j), _MM_HINT_T0);
-        _mm_prefetch((const char *)(s + (long)g * LANES + PREFETCH / 8), _MM_HINT_T0);
-        if (z) _mm_prefetch((const char *)(z + (long)g * LANES + PREFETCH / 8), _MM_HINT_T0);
+        for (int j = 0; j < 4; j++) PREFETCH_ROWS(nt, (const char *)(wg + PREFETCH + 64 * j));
+        PREFETCH_ROWS(nt, (const char *)(s + (long)g * LANES + PREFETCH / 8));
+        if (z) PREFETCH_ROWS(nt, (const char *)(z + (long)g * LANES + PREFETCH / 8));
 #endif
         __m512i u[8];
         for (int j = 0; j < 4; j++) {
@@ -304,7 +318,7 @@ static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w,
     for (int g = 0; g < G; g++) {
         const uint8_t *wg = w + (long)g * 512;
 #if PREFETCH
-        for (int j = 0; j < 8; j++) _mm_prefetch((const char *)(wg + 2 * PREFETCH + 64 * j), _MM_HINT_T0);
+        for (int j = 0; j < 8; j++) PREFETCH_ROWS(nt, (const char *)(wg + 2 * PREFETCH + 64 * j));
 #endif
         __m512i u[8];
         for (int i = 0; i < 8; i++) u[i] = _mm512_loadu_si512((const void *)(wg + 64 * i));
