@@ -60,12 +60,12 @@ class LLM:
         # MTP heads are resolved (read, quantized) once and shared: each sequence gets its own drafting state
         self.mtp = mtp or ((resolve_mtp(target, self.spec.heads) or ()) if self.spec.kind in ("mtp", "auto") else None)
         self.engine = Engine(target.model, max_batch=max_batch)
+        self.eog = frozenset(target.tokenizer.eog_ids)  # end-of-generation tokens, for every sequence
 
     def sequence(self, ids: list[int], params: SamplingParams, max_tokens: int, ignore_eos: bool = False) -> Seq:
         """An engine Sequence for prompt token ids, with its own proposer and draft-length policy (not yet added)."""
         proposer = build_proposer(self.spec, self.target, params, self.draft, self.mtp)
-        return Seq(ids, params, max_tokens, ignore_eos, proposer, self.spec.policy(),
-                   frozenset(self.target.tokenizer.eog_ids))
+        return Seq(ids, params, max_tokens, ignore_eos, proposer, self.spec.policy(), self.eog)
 
     def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams] = (),
                  max_tokens: int | Sequence[int] = 256, chat: bool = False, stop: Sequence[str] = (),
@@ -88,7 +88,6 @@ class LLM:
         outputs: list[Output | None] = [None] * len(prompts)
         queue = list(range(len(prompts)))
         running: dict[int, tuple[int, Seq, TextStream]] = {}
-        eog = frozenset(tok.eog_ids)
         with tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr,
                   disable=not progress or not sys.stderr.isatty()) as bar:
             while queue or running:
@@ -99,7 +98,7 @@ class LLM:
                 new = self.engine.step([s for _, s, _ in running.values()])
                 for sid, (i, seq, stream) in list(running.items()):
                     toks = new.get(sid, [])
-                    if stream.push([t for t in toks if t not in eog or ignore_eos]):
+                    if stream.push([t for t in toks if t not in self.eog or ignore_eos]):
                         self.engine.finish(seq, "stop")
                     if seq.finish is not None:
                         stream.finish()
