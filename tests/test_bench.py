@@ -42,6 +42,8 @@ def test_spec_bench_prompts():
     assert load_prompts(SPEC_BENCH)[0].category == "mt_bench"  # writing, roleplay, ... fold into mt_bench
     with pytest.raises(ValueError, match="no prompts of category"):
         load_prompts(SPEC_BENCH, "poetry")
+    with pytest.raises(ValueError, match="no prompts of category writing: .*under mt_bench"):
+        load_prompts(SPEC_BENCH, "summarization,writing")  # one unknown name among known ones is an error too
 
 
 def test_plain_prompt_format(tmp_path):
@@ -182,12 +184,15 @@ def test_bench_batch_sizes_end_to_end(tmp_path, capsys):
     prompts.write_text("".join(json.dumps({"prompt": f"{w} one two three one two three"}) + "\n"
                                for w in ("alpha", "beta", "gamma", "delta", "epsilon")))
     out = tmp_path / "b.json"
-    rc = main(["bench", "-m", str(model), "--prompts", str(prompts), "--mode", "plain,ngram", "-n", "10",
+    rc = main(["bench", "-m", str(model), "--prompts", str(prompts), "--mode", "ngram", "-n", "10",
                "--batch", "2,4", "--no-chat", "--ignore-eos", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    got = {(r["mode"], r["batch"]) for r in report["rows"]}
-    assert got == {(m, b) for m in ("plain", "ngram") for b in (1, 2, 4)} and report["mismatches"] == []
+    got = [(r["mode"], r["batch"]) for r in report["rows"]]
+    # plain runs first even when not asked: every speedup is against plain decoding at batch 1
+    assert got == [(m, b) for m in ("plain", "ngram") for b in (1, 2, 4)] and report["mismatches"] == []
+    plain1 = report["rows"][0]["aggregate_tok_s"]
+    assert all(r["vs_plain_batch1"] == pytest.approx(r["aggregate_tok_s"] / plain1) for r in report["rows"])
     assert all(r["tokens"] == 50 for r in report["rows"])
     # the decode-only rate leaves the prefills' time out: above the whole-run rate, by exactly their share
     for r in report["rows"]:

@@ -54,10 +54,12 @@ def load_prompts(path: str | Path | None, categories: str | None = None, limit: 
             else:
                 raise ValueError(f"{p}:{n + 1} has neither 'turns' (Spec-Bench) nor 'prompt'")
     if categories:
-        wanted = {c.strip() for c in categories.split(",")}
+        wanted = {c.strip() for c in categories.split(",") if c.strip()}
         known = {r.category for r in rows}
-        if not wanted & known:
-            raise ValueError(f"no prompts of category {categories}: the file has {', '.join(sorted(known))}")
+        if wanted - known:  # one unknown name among known ones used to be dropped without a word
+            sub = " (MT-bench's sub-tasks are all under mt_bench)" if wanted & MT_BENCH else ""
+            raise ValueError(f"no prompts of category {', '.join(sorted(wanted - known))}: the file has "
+                             f"{', '.join(sorted(known))}{sub}")
         rows = [r for r in rows if r.category in wanted]
     if limit is not None:  # evenly spaced within each category, so mt_bench's limit covers its eight sub-tasks
         by_cat: dict[str, list[Prompt]] = {}

@@ -358,6 +358,7 @@ def cmd_batch_bench(args, target, prompts: list[Prompt], modes: list[str]) -> in
         raise ValueError("--batch sizes must be >= 1")
     if 1 not in batches:
         batches = [1] + batches  # the reference for speedups and for greedy identity
+    modes = ["plain"] + [m for m in modes if m != "plain"]  # speedups are against plain at batch 1, as build_modes
     report = run_batch_bench(target, modes, prompts, args.n_predict, batches, args, chat=not args.no_chat)
     for spec in args.peer:
         if spec.startswith("llama.cpp:"):
