@@ -37,21 +37,26 @@ class LLM:
     """A target model (and optional draft model) with a speculation setting, generating many prompts at once."""
 
     def __init__(self, model=None, *, draft=None, spec: SpecConfig | None = None, max_batch: int = 8,
-                 dtype: str = "auto", quant: str = "auto", device: str = "auto", ctx: int | None = None):
+                 dtype: str = "auto", quant: str = "auto", device: str = "auto", ctx: int | None = None,
+                 prompt_cache: bool = False):
+        """prompt_cache: a prompt that begins with an earlier one's text (and answer) reuses its keys and values
+        (engine.Engine's prompt_cache; exact), e.g. a long shared system prompt or a conversation's next turn."""
         from .loader import load
 
         target = load(model, dtype=dtype, quant=quant, device=device, ctx=ctx)
         draft_model = load(draft, dtype=dtype, quant=quant, device=device, ctx=ctx) if draft else None
-        self._init(target, draft_model, spec, max_batch)
+        self._init(target, draft_model, spec, max_batch, prompt_cache=prompt_cache)
 
     @classmethod
-    def of(cls, target, draft=None, spec: SpecConfig | None = None, max_batch: int = 8, mtp=None) -> LLM:
+    def of(cls, target, draft=None, spec: SpecConfig | None = None, max_batch: int = 8, mtp=None,
+           prompt_cache: bool = False) -> LLM:
         """Around models already loaded (loader.Loaded)."""
         self = cls.__new__(cls)
-        self._init(target, draft, spec, max_batch, mtp)
+        self._init(target, draft, spec, max_batch, mtp, prompt_cache)
         return self
 
-    def _init(self, target, draft, spec: SpecConfig | None, max_batch: int, mtp=None) -> None:
+    def _init(self, target, draft, spec: SpecConfig | None, max_batch: int, mtp=None, prompt_cache: bool = False
+              ) -> None:
         from .spec import resolve_mtp
 
         self.target, self.draft = target, draft
@@ -59,7 +64,7 @@ class LLM:
         self.spec.validate()
         # MTP heads are resolved (read, quantized) once and shared: each sequence gets its own drafting state
         self.mtp = mtp or ((resolve_mtp(target, self.spec.heads) or ()) if self.spec.kind in ("mtp", "auto") else None)
-        self.engine = Engine(target.model, max_batch=max_batch)
+        self.engine = Engine(target.model, max_batch=max_batch, prompt_cache=prompt_cache)
         self.eog = frozenset(target.tokenizer.eog_ids)  # end-of-generation tokens, for every sequence
 
     def sequence(self, ids: list[int], params: SamplingParams, max_tokens: int, ignore_eos: bool = False) -> Seq:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,16 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)  # 2 MB pages where the kernel allows: fewer TLB misses in attention
     return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class ContextFull(Exception):
@@ -98,20 +109,62 @@ class KVPool:
         self.pos = torch.zeros(S, dtype=torch.long, device=device)  # [S] RoPE position of each slot
         self.n_slots = n_slots
         self.free = list(range(n_slots))
+        self.kept: dict[int, list[int]] = {}  # free slot -> the tokens whose keys and values it still holds
+        self.released: dict[int, int] = {}  # free slot -> when it was released (a counter)
+        self._clock = 0
         self.layers = [LayerCache(self.kv[i], self.k_all[i], self.v_all[i],
                                   self.kt[i] if self.kt is not None else None) for i in range(n_layers)]
 
-    def acquire(self, max_len: int | None = None) -> KVCache:
-        """A free slot's cache (lowest slot first, so the same sequence mix reuses the same memory)."""
+    def acquire(self, max_len: int | None = None, tokens: Sequence[int] = ()) -> KVCache:
+        """A free slot's cache. With `tokens` (a prompt), the free slot whose kept entries (release(..., kept))
+        begin with the longest prefix of them: its cache's `reused` says how many leading tokens' keys and values
+        are already in place (copied into a slot that keeps nothing when the match keeps more than is shared, so
+        a conversation's entries outlive another one on the same system prompt). Else (or when none shares a
+        token) the lowest slot that keeps nothing, then the one released longest ago (so the same sequence mix
+        reuses the same memory, and kept entries live longest)."""
         if not self.free:
             raise ContextFull(f"all {self.n_slots} cache slots are in use")
-        return KVCache(pool=self, slot=self.free.pop(0), max_len=max_len)
+        best, reused = None, 0
+        for slot in self.free:
+            n = common_prefix(self.kept.get(slot, ()), tokens)
+            if n > reused:
+                best, reused = slot, n
+        empty = [j for j in self.free if j not in self.kept]
+        source = None
+        if best is not None and len(self.kept[best]) > reused and empty:
+            # the best match holds more than this prompt shares (another conversation on the same system prompt):
+            # copy the shared entries into a slot that keeps nothing, and keep the longer entry for its own sequel
+            source, best = best, empty[0]
+        if best is None:
+            best = min(self.free, key=lambda j: (j in self.kept, self.released[j] if j in self.kept else 0, j))
+        self.free.remove(best)
+        self.kept.pop(best, None)
+        cache = KVCache(pool=self, slot=best, max_len=max_len)
+        cache.reused = min(reused, cache.max_len)
+        if source is not None and cache.reused:
+            held = KVCache(pool=self, slot=source)
+            held.length = len(self.kept[source])
+            cache.copy_from(held, cache.reused)
+            cache.length = 0  # the caller sets how much of it to use
+        return cache
 
-    def release(self, cache: KVCache) -> None:
+    def match(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the best free slot's kept entries hold (what acquire() would reuse)."""
+        return max((common_prefix(self.kept.get(j, ()), tokens) for j in self.free), default=0)
+
+    def release(self, cache: KVCache, kept: Sequence[int] | None = None) -> None:
+        """Free a sequence's slot. kept: the tokens whose keys and values its slots [0, len(kept)) hold, computed
+        exactly as any prefill of them would (the engine's exact prefill and decode steps): a later acquire() with a
+        prompt that begins with them starts from there (prompt caching)."""
         if cache.slot in self.free or cache.pool is not self:
             raise ValueError("cache slot released twice or into another pool")
         self.free.append(cache.slot)
         self.free.sort()
+        self._clock += 1
+        self.released[cache.slot] = self._clock
+        if kept:
+            assert len(kept) <= cache.length
+            self.kept[cache.slot] = list(kept)
 
     @property
     def nbytes(self) -> int:
@@ -136,6 +189,7 @@ class KVCache:
         self.kv, self.kt = pool.kv, pool.kt  # the whole pool: [layers, 1, S, 2 Hkv, D], [layers, Hkv, tiles, D, 32]
         self.pos = pool.pos[self.base:self.base + self.max_len]  # [max_len] RoPE position of each slot (a view)
         self.length = 0
+        self.reused = 0  # leading prompt tokens whose keys and values the slot already held (KVPool.acquire)
 
     def layer(self, i: int) -> LayerCache:
         view = self.pool.layers[i]

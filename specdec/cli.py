@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     sv.add_argument("-np", "--parallel", type=int, default=4, help="requests decoded together, the engine's slots "
                                                                   "(default 4)")
+    sv.add_argument("--no-cache-prompt", dest="cache_prompt", action="store_false",
+                    help="prefill every request's whole prompt (default: a prompt that begins with a finished "
+                         "request's text reuses its keys and values, as llama-server's cache_prompt; exact)")
     sv.add_argument("--max-queue", type=int, default=None, help="requests that may wait for a slot; more get 503 "
                                                                 "with Retry-After (default 4 x --parallel)")
     sv.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), help="require 'Authorization: Bearer "
@@ -444,7 +447,7 @@ def cmd_serve(args) -> int:
         return spec, target, draft, mtp
 
     return serve(load, host=args.host, port=args.port, parallel=args.parallel, max_queue=args.max_queue,
-                 api_key=args.api_key, model=args.model)
+                 api_key=args.api_key, model=args.model, prompt_cache=args.cache_prompt)
 
 
 DEMO_PROMPTS = [

@@ -89,10 +89,17 @@ class Engine:
     """Advances sequences one step at a time over a shared cache pool (model.new_pool)."""
 
     def __init__(self, model: Transformer, max_batch: int = 1, max_len: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, prompt_cache: bool = False):
+        """prompt_cache: a finished sequence's slot keeps its tokens' keys and values, and a new sequence whose
+        prompt begins with them starts there (llama-server's cache_prompt, vLLM's prefix caching: a chat's next turn
+        prefills only its new tokens). Exact: on the attention kernel every forward, prefill chunks included,
+        computes each row as a decode step computes it, so a slot's entries are the same whichever forward wrote
+        them, and a reused prefix gives bitwise the output of a fresh prefill (tested). Only where that holds: the
+        whole stack in forward.c (Transformer.fast_layers: quantized Llama-family / Gemma 3 layers on CPU)."""
         self.model = model
         self.pool = model.new_pool(max_batch, max_len)
         self.prefill_chunk = prefill_chunk
+        self.prompt_cache = prompt_cache and model.kernel and model.fast_layers() is not None
         self.batched = model.kernel  # one forward for all sequences needs the attention kernel
         self.active: list[Sequence] = []
         self.row_cost: dict[int, float] = {}  # rows of a step's forward -> EMA seconds (for attribute())
@@ -112,10 +119,22 @@ class Engine:
                              "raise -c or shorten the prompt")
         if seq.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        seq.cache = self.pool.acquire()
+        reuse = self.prompt_cache and prefix is None
+        if reuse and getattr(seq.proposer, "needs_prompt_hidden", False):
+            # MTP modules read the target's hidden state at every prompt position, which a cached prefix lacks:
+            # under --spec auto they sit this sequence out when at least half its prompt (and 64 tokens) is cached,
+            # else (and with --spec mtp) the prompt is prefilled in full
+            n = self.pool.match(seq.prompt)
+            reuse = n >= max(64, len(seq.prompt) // 2) and hasattr(seq.proposer, "drop_hidden_sources")
+            if reuse:
+                seq.proposer.drop_hidden_sources()
+                reuse = not seq.proposer.needs_prompt_hidden  # it had nothing else
+        seq.cache = self.pool.acquire(tokens=seq.prompt if reuse else ())
         seq.generator = Draws(seq.params.seed, self.model.device) if not seq.params.greedy else None
         seq.policy = seq.policy or FixedDraftLength(0)
         seq.stats = Stats(prompt_tokens=len(seq.prompt))
+        if reuse:  # the cached prefix, less the prompt's last token: its prefill gives the first token's logits
+            seq.prefilled = seq.cache.length = seq.stats.cached_tokens = min(seq.cache.reused, len(seq.prompt) - 1)
         self.active.append(seq)
         if prefix is not None:
             if prefix.prompt != seq.prompt:
@@ -153,7 +172,10 @@ class Engine:
             if seq.t_first:
                 seq.stats.decode_s = time.perf_counter() - seq.t_first
             seq.stats.generated_tokens = len(seq.out)
-            self.pool.release(seq.cache)
+            # its slots [0, length) hold context()[j] at slot j (rollback and tree compaction keep it so), unless a
+            # forward failed on the way: what an error left is not kept
+            kept = seq.context()[:seq.cache.length] if self.prompt_cache and seq.finish != "error" else None
+            self.pool.release(seq.cache, kept)
             seq.cache = None
         if seq in self.active:
             self.active.remove(seq)

@@ -35,8 +35,10 @@ def both(m, run):
 
 
 def prefilled(m, prompt: list[int]):
+    """A cache holding the prompt, prefilled on the kernel's exact plan in both paths (a forward's plan otherwise
+    depends on whether the stack runs in C: Transformer._plan)."""
     cache = m.new_cache(256)
-    m(torch.tensor([prompt]), torch.arange(len(prompt)), cache)
+    m(torch.tensor([prompt]), torch.arange(len(prompt)), cache, exact=True)
     return cache
 
 
@@ -78,7 +80,7 @@ def test_rows_of_several_sequences_and_aux_layers_are_bitwise_the_python_path(mo
         pool = m.new_pool(2, 256)
         caches = [pool.acquire(256) for _ in range(2)]
         for c, p in zip(caches, prompts, strict=True):
-            m(torch.tensor([p]), torch.arange(len(p)), c)
+            m(torch.tensor([p]), torch.arange(len(p)), c, exact=True)  # alike in both paths (see prefilled)
         items = [(caches[0], [11], [len(prompts[0])], None),
                  (caches[1], [12, 13, 14], [len(prompts[1]) + i for i in range(3)], None)]
         return m.forward_batch(items)

@@ -179,6 +179,25 @@ def test_chat_stop_string_and_eos(client, reference):
     assert "<|im_end|>" not in r.choices[0].message.content
 
 
+def test_a_chat_next_turn_reuses_the_cached_conversation(client, target):
+    """Prompt caching (the server's default, as llama-server's cache_prompt): the second turn of a conversation
+    prefills only what follows the first turn's cached tokens, and answers exactly as a fresh prefill would."""
+    tok = target.tokenizer
+    extra = {"speculative": {"type": "ngram"}, "ignore_eos": True}
+    turn1 = [{"role": "user", "content": "Name three colors of the rainbow."}]
+    r1 = client.chat.completions.create(model="smollm2", messages=turn1, max_tokens=20, temperature=0,
+                                        extra_body=extra)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And three more, please."}]
+    r2 = client.chat.completions.create(model="smollm2", messages=turn2, max_tokens=16, temperature=0,
+                                        extra_body=extra)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached > len(tok.encode_chat(turn1)) and r2.model_extra["timings"]["cache_n"] == cached
+    assert r2.model_extra["timings"]["prompt_n"] == r2.usage.prompt_tokens - cached
+    fresh = generate(target.model, tok, tok.encode_chat(turn2), SamplingParams(), max_tokens=16, ignore_eos=True)
+    assert r2.choices[0].message.content == tok.decode(fresh.tokens)
+
+
 def test_completions_sync_and_stream(client, target, reference):
     prompt = "The three primary colors are"
     r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=10, temperature=0)

@@ -24,6 +24,7 @@ import torch
 
 from specdec.bench.prompts import load_prompts
 from specdec.bench.run import chat_prompt_ids
+from specdec.cache import common_prefix
 from specdec.generate import generate
 from specdec.loader import load
 from specdec.sampling import SamplingParams
@@ -31,13 +32,7 @@ from specdec.sampling import SamplingParams
 ROOFLINE_V = [1.0, 1.10, 1.21, 1.38, 1.93, 2.0, 2.1, 2.2, 2.31]  # specdec roofline, v(T) for T = 1..9
 
 
-def agree(draft: list[int], truth: list[int]) -> int:
-    n = 0
-    for a, b in zip(draft, truth, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
+agree = common_prefix  # how many of a draft's tokens the real continuation agrees with
 
 
 def lookup(ctx: list[int], n_min: int, n_max: int, k: int) -> list[int]:

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from specdec.bench.prompts import load_prompts  # noqa: E402
 from specdec.bench.roofline import forward_costs  # noqa: E402
+from specdec.cache import common_prefix  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.loader import load  # noqa: E402
 from specdec.sampling import Draws, SamplingParams  # noqa: E402
@@ -95,12 +96,7 @@ def simulate(texts: list[tuple], curve: list[float], oracle: bool) -> tuple[floa
     return tokens / forwards, tokens / cost
 
 
-def matched(cand: list[int], actual: list[int]) -> int:
-    """How many tokens of the candidate the text continues with."""
-    m = 0
-    while m < len(cand) and m < len(actual) and cand[m] == actual[m]:
-        m += 1
-    return m
+matched = common_prefix  # how many tokens of a candidate the text continues with
 
 
 def lookup_trees(prompt: list[int], out: list[int]) -> dict[str, float]:

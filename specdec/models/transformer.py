@@ -127,14 +127,18 @@ class AttentionPlan:
     """How a forward's T new queries attend, decided once per forward and shared by every layer.
 
     - "kernel": every query attends its own cache slots in specdec/kernels/attention.c, which computes each row the
-      same way whatever the other rows are: decode steps, exact chains and exact trees, all rows in one call;
+      same way whatever the other rows are: decode steps, exact chains and trees, and every forward of a model whose
+      whole stack runs in forward.c (quantized Llama-family / Gemma 3 layers on CPU: batch-invariant matmuls too),
+      prefill chunks included (faster than "masked" there: 727 against 625 tok/s for a 926-token prompt,
+      docs/results/prefill-exact-1205.txt), so a slot's entries are the same whichever forward wrote them (what
+      Engine's prompt cache rests on);
     Without the kernel (no C compiler, GPU, f16), PyTorch's SDPA, one call per row where exactness needs it:
     - "single": T = 1, the query attends every cached slot (the plain decode step);
     - "rows": an exact chain: each query attends alone over its own prefix, the very call a decode step makes;
     - "paths": an exact tree: each node attends alone over the prompt and its root-to-node path, laid out in
       consecutive slots as they will be once the path is accepted;
-    - "masked": all queries in one kernel call with a [T, L] mask (prefill, non-exact trees). Faster, but
-      attention kernels are not batch-invariant, so results differ from decode steps in the last bits.
+    - "masked": all queries in one kernel call with a [T, L] mask (prefill, non-exact trees). Faster than "rows",
+      but attention kernels are not batch-invariant, so results differ from decode steps in the last bits.
     """
 
     def __init__(self, kind: str, full=None, sliding=None, paths: list[torch.Tensor] | None = None,
@@ -446,7 +450,7 @@ class Transformer:
 
     def _plan(self, positions: torch.Tensor, cache: KVCache, start: int, T: int, parents: list[int] | None,
               exact: bool) -> AttentionPlan:
-        if (T == 1 or exact) and cache.kt is not None:
+        if cache.kt is not None and (T == 1 or exact or self.fast_layers() is not None):
             b = cache.base + start
             return self.kernel_plan(self.row_tails(cache, start, T, parents), list(range(b, b + T)))
         if T == 1:
@@ -595,7 +599,7 @@ class Transformer:
         the bf16 / int8 / int4 paths are batch-invariant (row i of a [T, K] x [K, N] product does not depend on T);
         general attention kernels are not, so attention runs in specdec/kernels/attention.c, which is (AttentionPlan
         "kernel", also used by every decode step), or else each query attends alone (AttentionPlan "rows" /
-        "paths")."""
+        "paths"). Where the whole stack runs in forward.c every forward is exact, whatever `exact` says."""
         T = tokens.shape[1]
         start = cache.reserve(T)
         L = start + T

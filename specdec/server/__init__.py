@@ -36,14 +36,15 @@ def make_backend(target, draft=None, spec=None, mtp=None, requested: str | None 
 
 
 def serve(load: Callable[[], tuple], *, host: str = "127.0.0.1", port: int = 8080, parallel: int = 4,
-          max_queue: int | None = None, api_key: str | None = None, model: str | None = None) -> int:
+          max_queue: int | None = None, api_key: str | None = None, model: str | None = None,
+          prompt_cache: bool = True) -> int:
     """Run the server until interrupted. load() -> (spec, target, draft or None, mtp or None) runs in a background
     thread once the server listens (/health is 503 until it returns). Returns the exit code."""
     import uvicorn
 
     if not 0 < port < 65536:
         raise ValueError(f"--port must be in 1..65535, not {port}")
-    config = ServerConfig(parallel=parallel, max_queue=max_queue, api_key=api_key)
+    config = ServerConfig(parallel=parallel, max_queue=max_queue, api_key=api_key, prompt_cache=prompt_cache)
     if parallel < 1:
         raise ValueError("--parallel must be >= 1")
     if max_queue is not None and max_queue < 1:

@@ -66,6 +66,7 @@ class ServerConfig:
     max_queue: int | None = None  # default 4 x parallel
     api_key: str | None = None
     threads: int | None = None
+    prompt_cache: bool = True  # llama-server's cache_prompt: a request whose prompt begins with a finished one's text
 
 
 class State:
@@ -101,7 +102,7 @@ def create_app(load: Callable[[], Backend], config: ServerConfig | None = None,
         torch.set_num_threads(threads)
         try:
             backend = load()
-            sched = Scheduler(backend, config.parallel, config.max_queue, state.metrics, threads)
+            sched = Scheduler(backend, config.parallel, config.max_queue, state.metrics, threads, config.prompt_cache)
             state.mctx = model_context(backend, sched.ctx)
             state.backend = backend
             sched.start()

@@ -115,7 +115,7 @@ class Scheduler:
     """Slots = Engine(model, max_batch=parallel), a bounded admission queue, and the loop thread."""
 
     def __init__(self, backend: Backend, parallel: int = 4, max_queue: int | None = None,
-                 metrics: Metrics | None = None, threads: int | None = None):
+                 metrics: Metrics | None = None, threads: int | None = None, prompt_cache: bool = True):
         if parallel < 1:
             raise ValueError("--parallel must be >= 1")
         self.backend = backend
@@ -129,7 +129,8 @@ class Scheduler:
         tok = backend.target.tokenizer
         self.tokenizer = tok
         self.eog = frozenset(tok.eog_ids)
-        self.engine = Engine(backend.target.model, max_batch=parallel)
+        # prompt caching: a request that continues a finished one's conversation prefills only its new tokens
+        self.engine = Engine(backend.target.model, max_batch=parallel, prompt_cache=prompt_cache)
         self.ctx = self.engine.pool.max_len
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
@@ -300,11 +301,13 @@ class Scheduler:
         """usage and llama-server's timings object."""
         s, n = job.seq.stats, len(job.seq.out)
         job.usage = {"prompt_tokens": len(job.req.prompt), "completion_tokens": n,
-                     "total_tokens": len(job.req.prompt) + n}
+                     "total_tokens": len(job.req.prompt) + n,
+                     "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}  # as OpenAI reports prompt caching
         decode_ms = s.decode_s * 1e3
+        prefilled = s.prompt_tokens - s.cached_tokens
         job.timings = {
-            "prompt_n": s.prompt_tokens, "prompt_ms": s.prefill_s * 1e3,
-            "prompt_per_token_ms": s.prefill_s * 1e3 / max(s.prompt_tokens, 1), "prompt_per_second": s.prefill_tok_s,
+            "cache_n": s.cached_tokens, "prompt_n": prefilled, "prompt_ms": s.prefill_s * 1e3,
+            "prompt_per_token_ms": s.prefill_s * 1e3 / max(prefilled, 1), "prompt_per_second": s.prefill_tok_s,
             "predicted_n": n, "predicted_ms": decode_ms, "predicted_per_token_ms": decode_ms / max(n - 1, 1),
             "predicted_per_second": s.decode_tok_s, "draft_n": s.drafted, "draft_n_accepted": s.accepted,
             "speculative": job.spec_kind,

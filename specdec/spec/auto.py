@@ -158,6 +158,19 @@ class AutoProposer:
         self.resting = False  # this step the sources were not consulted
         self.backlog: list[int] = []  # tokens the costless sources have not been given yet (resting steps)
 
+    @property
+    def needs_prompt_hidden(self) -> bool:
+        """Whether a source's begin() takes the target's hidden state at every prompt position (MTP modules)."""
+        return any(getattr(src, "needs_prompt_hidden", False) for src in self.sources.values())
+
+    def drop_hidden_sources(self) -> None:
+        """Leave out the sources that need the prompt's hidden states (before begin(): a sequence that starts from a
+        cached prefix, engine.Engine's prompt cache, has none for it)."""
+        keep = [name for name, src in self.sources.items() if not getattr(src, "needs_prompt_hidden", False)]
+        if keep:
+            self.sources = {name: self.sources[name] for name in keep}
+            self.policies = {name: self.policies[name] for name in keep}
+
     def _inherit(self) -> None:
         """Start from the policies of the latest generation of the same model and sources (a deep copy: the shared
         verify curve stays shared), with nothing of its pending bookkeeping; then become the latest."""

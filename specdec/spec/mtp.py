@@ -95,6 +95,8 @@ class _MTPBase:
 class SequentialMTP(_MTPBase):
     """Drafts with sequential MTP modules (models/mtp.MTPModule), depth 1 first."""
 
+    needs_prompt_hidden = True  # begin() takes the target's hidden state at every prompt position
+
     def __init__(self, modules: list, params: SamplingParams, vocab_size: int, tree: list[int] | None = None,
                  generator: torch.Generator | None = None, vocab_map: torch.Tensor | None = None):
         super().__init__(params, vocab_size, tree, generator, vocab_map)

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, keys and values found in the cache (Engine prompt_cache): not prefilled
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0  # wall time after the first token
@@ -65,7 +66,7 @@ class Stats:
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s > 0 else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -76,8 +77,8 @@ class Stats:
 
     def merge(self, other: Stats) -> None:
         """Add another run's counts (for totals over many prompts)."""
-        for name in ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "draft_s", "verify_s", "forwards",
-                     "decode_tokens", "drafts", "drafted", "accepted"):
+        for name in ("prompt_tokens", "cached_tokens", "generated_tokens", "prefill_s", "decode_s", "draft_s",
+                     "verify_s", "forwards", "decode_tokens", "drafts", "drafted", "accepted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name, row in other.by_source.items():
             mine = self.by_source.setdefault(name, [0, 0, 0, 0])
