@@ -179,7 +179,7 @@ def test_chat_stop_string_and_eos(client, reference):
     assert "<|im_end|>" not in r.choices[0].message.content
 
 
-def test_a_chat_next_turn_reuses_the_cached_conversation(client, target):
+def test_a_chat_next_turn_reuses_the_cached_conversation(server, client, target):
     """Prompt caching (the server's default, as llama-server's cache_prompt): the second turn of a conversation
     prefills only what follows the first turn's cached tokens, and answers exactly as a fresh prefill would."""
     tok = target.tokenizer
@@ -189,9 +189,14 @@ def test_a_chat_next_turn_reuses_the_cached_conversation(client, target):
                                         extra_body=extra)
     turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
                      {"role": "user", "content": "And three more, please."}]
+    before = metrics(server)
     r2 = client.chat.completions.create(model="smollm2", messages=turn2, max_tokens=16, temperature=0,
                                         extra_body=extra)
+    after = metrics(server)
     cached = r2.usage.prompt_tokens_details.cached_tokens
+    hits, queries = ("specdec:prefix_cache_" + k + "_total" for k in ("hits", "queries"))
+    assert metric(after, hits) - metric(before, hits) == cached  # vLLM's prefix-cache counters
+    assert metric(after, queries) - metric(before, queries) == r2.usage.prompt_tokens
     assert cached > len(tok.encode_chat(turn1)) and r2.model_extra["timings"]["cache_n"] == cached
     assert r2.model_extra["timings"]["prompt_n"] == r2.usage.prompt_tokens - cached
     fresh = generate(target.model, tok, tok.encode_chat(turn2), SamplingParams(), max_tokens=16, ignore_eos=True)

@@ -39,6 +39,11 @@ class Metrics:
         self.rejected = Counter(p + "request_rejected", "Requests refused before generation, by HTTP status",
                                 ["status"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
+        # prompt caching (engine.Engine's prompt_cache), as vLLM counts its prefix cache: tokens asked, tokens found
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prompt cache",
+                                      registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prompt cache (not prefilled)",
+                                   registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests in engine slots", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests in the admission queue", registry=r)

@@ -243,6 +243,9 @@ class Scheduler:
         job.stream = TextStream(self.tokenizer, req.stop, job.pieces.append)
         self.running.append(job)
         self.metrics.prompt_tokens.inc(len(req.prompt))
+        if self.engine.prompt_cache:
+            self.metrics.prefix_queries.inc(len(req.prompt))
+            self.metrics.prefix_hits.inc(seq.stats.cached_tokens)
 
     def _step(self) -> None:
         try:
