@@ -124,11 +124,7 @@ class KVPool:
         reuses the same memory, and kept entries live longest)."""
         if not self.free:
             raise ContextFull(f"all {self.n_slots} cache slots are in use")
-        best, reused = None, 0
-        for slot in self.free:
-            n = common_prefix(self.kept.get(slot, ()), tokens)
-            if n > reused:
-                best, reused = slot, n
+        best, reused = self._longest(tokens)
         empty = [j for j in self.free if j not in self.kept]
         source = None
         if best is not None and len(self.kept[best]) > reused and empty:
@@ -148,9 +144,19 @@ class KVPool:
             cache.length = 0  # the caller sets how much of it to use
         return cache
 
+    def _longest(self, tokens: Sequence[int]) -> tuple[int | None, int]:
+        """(the free slot whose kept entries hold the longest prefix of `tokens` (None: no slot holds any), its
+        length); the lowest such slot on ties."""
+        best, n = None, 0
+        for slot in self.free:
+            m = common_prefix(self.kept.get(slot, ()), tokens)
+            if m > n:
+                best, n = slot, m
+        return best, n
+
     def match(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of `tokens` the best free slot's kept entries hold (what acquire() would reuse)."""
-        return max((common_prefix(self.kept.get(j, ()), tokens) for j in self.free), default=0)
+        return self._longest(tokens)[1]
 
     def release(self, cache: KVCache, kept: Sequence[int] | None = None) -> None:
         """Free a sequence's slot. kept: the tokens whose keys and values its slots [0, len(kept)) hold, computed
