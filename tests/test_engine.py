@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import CHAT_PROMPTS, chat
+from memo import Memo, MemoModule
 from tiny_models import write_gguf
 
 from specdec.api import LLM
@@ -156,7 +157,7 @@ def test_prefix_start_is_the_same_as_prefilling(target):
 # lossless sampling end to end: the first three generated tokens of a prompt, at temperature 1 (top-k 6), drawn
 # SAMPLES times through the whole step with each proposer, against the exact plain distribution computed by the model
 
-SAMPLES = 9_000  # per proposer (CI time); the wrong-residual control fails at 10k by > 3x the critical value
+SAMPLES = 20_000  # per proposer; target (and draft model / MTP module) rows served by context (tests/memo.py)
 P1 = SamplingParams(temperature=1.0, top_k=6)
 REPEATED = "Say this three times: red green blue yellow. red green blue yellow. red green blue"
 
@@ -182,25 +183,41 @@ def exact_three(model, prompt: list[int]) -> dict[tuple[int, int, int], float]:
     return out
 
 
-def sample_three(target, spec: SpecConfig, draft=None, seed: int = 0, samples: int = SAMPLES
-                 ) -> dict[tuple[int, int, int], int]:
+def sample_three(target, spec: SpecConfig, draft=None, seed: int = 0, samples: int = SAMPLES, memo: bool = True
+                 ) -> tuple[list[tuple[int, int, int]], int, int]:
+    """The first three tokens of `samples` seeded runs of REPEATED through the engine, in seed order, and the
+    drafted / accepted token totals. memo: the target's, draft model's and MTP module's rows served by context
+    (tests/memo.py: the same rows, each computed once)."""
     prompt = target.tokenizer.encode(REPEATED)
-    engine = Engine(target.model, max_batch=129, max_len=len(prompt) + 8)
+    L = len(prompt) + 8
+    model = Memo(target.model, L) if memo else target.model
+    if memo and draft is not None:
+        draft = replace(draft, model=Memo(draft.model, L))
+    engine = Engine(model, max_batch=129, max_len=L)
     mtp = resolve_mtp(target) if spec.kind == "mtp" else None
-    counts: dict[tuple[int, int, int], int] = {}
+    if memo and mtp is not None and mtp[0] != "parallel":  # sequential modules, EAGLE-3
+        mtp = (mtp[0], [MemoModule(m, L) for m in mtp[1]], *mtp[2:])
+    outs: list[tuple[int, int, int]] = []
+    drafted = accepted = 0
     pfx = engine.prefill_prefix(prompt)
-    done = 0
-    while done < samples:
+    while len(outs) < samples:
         seqs = []
-        for j in range(min(128, samples - done)):
-            params = replace(P1, seed=seed * 1_000_003 + done + j)
+        for j in range(min(128, samples - len(outs))):
+            params = replace(P1, seed=seed * 1_000_003 + len(outs) + j)
             proposer = build_proposer(spec, target, params, draft, mtp)
             seqs.append(engine.add(Sequence(prompt, params, 3, True, proposer, spec.policy()), pfx))
         engine.run(seqs)
-        for s in seqs:
-            counts[tuple(s.out[:3])] = counts.get(tuple(s.out[:3]), 0) + 1
-        done += len(seqs)
+        outs += [tuple(s.out[:3]) for s in seqs]
+        drafted += sum(s.stats.drafted for s in seqs)
+        accepted += sum(s.stats.accepted for s in seqs)
     engine.release_prefix(pfx)
+    return outs, drafted, accepted
+
+
+def tally(outs: list[tuple[int, int, int]]) -> dict[tuple[int, int, int], int]:
+    counts: dict[tuple[int, int, int], int] = {}
+    for o in outs:
+        counts[o] = counts.get(o, 0) + 1
     return counts
 
 
@@ -233,17 +250,55 @@ def exact(target):
     return exact_three(target.model, target.tokenizer.encode(REPEATED))
 
 
+class Scaled:
+    """The default model with its logits times `factor`: as a draft model, a distribution q that overlaps the
+    target's p without equalling it, so its drafts are both accepted and rejected (a random-weight draft's top 6
+    tokens never meet the target's: every draft rejected)."""
+
+    def __init__(self, model, factor: float):
+        self.model, self.factor = model, factor
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden = self.model(*args, **kwargs)
+        return logits * self.factor, hidden
+
+    def prefill(self, tokens: list[int], cache, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden = self.model.prefill(tokens, cache, chunk)
+        return logits * self.factor, hidden
+
+
+@pytest.fixture(scope="module")
+def scaled_draft(target):
+    return replace(target, model=Scaled(target.model, 0.6))
+
+
+E2E_SPECS = {"ngram": SpecConfig(kind="ngram", draft_max="3", ngram_min=1),
+             "mtp": SpecConfig(kind="mtp", draft_max="2"),
+             "draft": SpecConfig(kind="draft", draft_max="2", draft_p_min=0.0)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ngram", "mtp", "draft"])
-def test_speculative_sampling_end_to_end_is_plain_sampling(target, tiny_draft, exact, name):
-    spec = {"ngram": SpecConfig(kind="ngram", draft_max="3", ngram_min=1), "mtp": SpecConfig(kind="mtp", draft_max="2"),
-            "draft": SpecConfig(kind="draft", draft_max="2", draft_p_min=0.0)}[name]
-    n = 6_000 if name == "draft" else SAMPLES  # the draft model's steps cost twice the others' (CI time)
-    counts = sample_three(target, spec, tiny_draft if name == "draft" else None, seed=1, samples=n)
+def test_speculative_sampling_end_to_end_is_plain_sampling(target, scaled_draft, exact, name):
+    outs, drafted, accepted = sample_three(target, E2E_SPECS[name], scaled_draft if name == "draft" else None, seed=1)
+    assert 0 < accepted < drafted  # drafts both accepted and rejected
+    counts, n = tally(outs), len(outs)
     stat, df = chi_square(counts, exact)
     assert stat < limit(df), (stat, df)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
     assert tv < 0.03 + 0.5 * math.sqrt(len(exact) / n)
+
+
+@pytest.mark.slow
+def test_memo_changes_nothing(target, scaled_draft):
+    """The memoized forwards the end-to-end tests run on give the samples the real forwards give, seed by seed."""
+    for name, spec in E2E_SPECS.items():
+        draft = scaled_draft if name == "draft" else None
+        real = sample_three(target, spec, draft, seed=1, samples=128, memo=False)
+        assert sample_three(target, spec, draft, seed=1, samples=128) == real, name
 
 
 @pytest.mark.slow
@@ -260,8 +315,8 @@ def test_a_wrong_residual_fails_the_end_to_end_test(target, exact, monkeypatch):
         return n, tok
 
     monkeypatch.setattr(verify_mod, "verify_coupled", wrong)
-    counts = sample_three(target, SpecConfig(kind="ngram", draft_max="3", ngram_min=1), seed=2, samples=10_000)
-    stat, df = chi_square(counts, exact)
+    outs, _, _ = sample_three(target, E2E_SPECS["ngram"], seed=2)
+    stat, df = chi_square(tally(outs), exact)
     assert stat > 3 * limit(df), (stat, df)
 
 
