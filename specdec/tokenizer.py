@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
-from .config import ModelError, cache_dir
+from .config import ModelError, cache_dir, release_freed_memory
 
 # Gemma GGUFs converted without a template: the official Gemma 3 chat template (system folded into the first turn).
 GEMMA_TEMPLATE = (
@@ -169,22 +169,8 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer:
     if not (folder / "tokenizer.json").exists():
         folder = _convert_gguf_tokenizer(path, folder)
     tok = Tokenizer(folder)
-    _release_freed_memory()
+    release_freed_memory()  # the transient JSON tree (config.release_freed_memory)
     return tok
-
-
-def _release_freed_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim). Parsing a large tokenizer.json leaves
-    most of its transient JSON tree freed but still resident: for Gemma 3's 262k-token vocabulary ~180 MB of
-    peak RSS (measured: 511 -> 329 MB after torch and the tokenizer)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def _tokenizer_only_gguf(path: Path, scratch: Path) -> Path | None:

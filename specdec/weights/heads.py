@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelError
+from ..config import ModelError, release_freed_memory
 
 FORMAT = "specdec-heads/1"
 
@@ -99,6 +99,12 @@ def check_base(header: dict, target, path) -> None:
 
 def load_heads(path: str | Path, target, dtype=None, quant: str | None = None):
     """(kind, drafter, vocab_map) for a heads file: drafter is a list of MTPModule (sequential) or ParallelHeads."""
+    heads = _build_heads(path, target, dtype, quant)
+    release_freed_memory()  # the float copies the layers were made from (config.release_freed_memory)
+    return heads
+
+
+def _build_heads(path: str | Path, target, dtype, quant: str | None):
     from safetensors.torch import load_file
 
     from ..models.heads import ParallelHeads, SubsetHead
