@@ -159,7 +159,8 @@ class Engine:
         return Prefix(list(prompt), cache, logits, hidden)
 
     def release_prefix(self, prefix: Prefix) -> None:
-        self.pool.release(prefix.cache)
+        """Free a prefix's slot; with prompt caching its prompt stays there for a later prompt that begins with it."""
+        self.pool.release(prefix.cache, prefix.prompt if self.prompt_cache else None)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (the caller's reasons: a stop string, a cancelled request) and free its slot."""

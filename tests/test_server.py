@@ -254,6 +254,37 @@ def test_auto_drafts_from_earlier_responses(server, reference):
     assert second.get("global", {}).get("draft_n_accepted", 0) > 10, second
 
 
+def test_n_choices(server, client, target, reference, monkeypatch):
+    """n choices of one request (the prompt prefilled once, each choice its own sequence): choice i is what the
+    request with n = 1 and seed + i gives, streamed or not; greedy choices are all the greedy text; usage counts
+    the prompt once and every choice's tokens."""
+    prompt = CHAT_PROMPTS[2]
+    messages = [{"role": "user", "content": prompt}]
+    n_prompt = len(target.tokenizer.encode_chat(messages))
+    kw = {"model": "smollm2", "messages": messages, "max_tokens": 10, "temperature": 1.0, "extra_body":
+          {"ignore_eos": True}}
+    engine = server.app.state.specdec.scheduler.engine
+    prefixes = []
+    monkeypatch.setattr(engine, "prefill_prefix", lambda p, real=engine.prefill_prefix: prefixes.append(p) or real(p))
+    r = client.chat.completions.create(n=3, seed=40, **kw)
+    assert len(prefixes) == 1  # one prefill for the three choices
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 30)
+    texts = [c.message.content for c in r.choices]
+    alone = [client.chat.completions.create(seed=40 + i, **kw).choices[0].message.content for i in range(3)]
+    assert texts == alone and len(set(texts)) > 1
+    chunks = list(client.chat.completions.create(n=3, seed=40, stream=True, stream_options={"include_usage": True},
+                                                 **kw))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts and chunks[-1].usage.completion_tokens == 30
+    finals = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finals) == [0, 1, 2] and {f.finish_reason for f in finals} == {"length"}
+    greedy = client.completions.create(model="smollm2", prompt=prompt, n=2, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert [c.text for c in greedy.choices] == [reference(prompt, 8, chat=False)] * 2
+
+
 def test_logprobs_are_the_targets(server):
     """Logprobs of drafted-and-accepted tokens are the target's: the same with and without speculation."""
     prompt = "Repeat this list exactly: red, green, blue, red, green, blue, red, green, blue, red, green, blue"
@@ -342,7 +373,9 @@ CASES = [  # (name, path, body (dict = JSON, bytes / str = raw), headers, status
      None, 400, "tools", "unsupported_parameter"),
     ("response_format", "/v1/chat/completions", chat_body("hi", response_format={"type": "json_object"}), None, 400,
      "response_format", None),
-    ("n = 2", "/v1/chat/completions", chat_body("hi", n=2), None, 400, "n", None),
+    ("n = 0", "/v1/chat/completions", chat_body("hi", n=0), None, 400, "n", None),
+    ("n = 17", "/v1/chat/completions", chat_body("hi", n=17), None, 400, "n", None),
+    ("n string", "/v1/completions", {"prompt": "a", "n": "2"}, None, 400, "n", "invalid_type"),
     ("unknown model", "/v1/chat/completions", {**chat_body("hi"), "model": "gpt-17"}, None, 404, "model",
      "model_not_found"),
     ("logit_bias key", "/v1/chat/completions", chat_body("hi", logit_bias={"abc": 1}), None, 400, "logit_bias",

@@ -27,7 +27,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from fastapi import FastAPI, Request
@@ -37,7 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import Metrics
-from .scheduler import Backend, Job, Scheduler
+from .scheduler import Backend, Job, Scheduler, Update
 from .schemas import (
     DEFAULTS,
     SPEC_N_MAX,
@@ -147,13 +147,13 @@ def create_app(load: Callable[[], Backend], config: ServerConfig | None = None,
         sched = state.ready()
         body = await read_body(request)
         req: GenRequest = await run_in_threadpool(parse, body, state.mctx)
-        job = sched.submit(req, asyncio.get_running_loop())
+        jobs = sched.submit([choice_request(req, i) for i in range(req.n)], asyncio.get_running_loop())
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + secrets.token_hex(12)
         fmt = Formatter(state.backend.target.tokenizer, req, rid)
         if req.stream:
-            return StreamingResponse(stream(job, fmt), media_type="text/event-stream",
+            return StreamingResponse(stream(jobs, fmt), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await complete(request, job, fmt)
+        return await complete(request, jobs, fmt)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -273,11 +273,42 @@ async def read_body(request: Request) -> dict:
     return parse_json(b"".join(chunks), request.headers.get("content-type"))
 
 
-async def stream(job: Job, fmt: Formatter) -> AsyncIterator[bytes]:
-    """The SSE events of a streamed response. Closing it (the client went away) cancels the request."""
-    try:
-        yield fmt.event(fmt.start())
+def choice_request(req: GenRequest, i: int) -> GenRequest:
+    """Choice i of a request with n choices: its own sequence, seeded with seed + i when a seed is given (so each
+    choice is the n = 1 request with that seed)."""
+    seed = req.params.seed
+    return req if i == 0 else replace(req, params=replace(req.params, seed=None if seed is None else
+                                                          (seed + i) % 2**63))
+
+
+async def merged(jobs: list[Job]) -> AsyncIterator[tuple[int, Update]]:
+    """(choice index, update) of every job as they come, until each job's last update."""
+    queue: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
         async for u in job.updates():
+            queue.put_nowait((i, u))
+
+    tasks = [asyncio.create_task(pump(i, j)) for i, j in enumerate(jobs)]
+    try:
+        for _ in jobs:
+            while True:
+                i, u = await queue.get()
+                yield i, u
+                if u.finish is not None or u.error is not None:
+                    break
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def stream(jobs: list[Job], fmt: Formatter) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed response (n choices: each chunk names its choice's index). Closing it (the
+    client went away) cancels the request."""
+    try:
+        for i in range(len(jobs)):
+            yield fmt.event(fmt.start(i))
+        async for i, u in merged(jobs):
             if u.error is not None:
                 kind, code = ("unavailable_error", "shutting_down") if u.status == 503 else ("server_error",
                                                                                           "internal_error")
@@ -286,41 +317,47 @@ async def stream(job: Job, fmt: Formatter) -> AsyncIterator[bytes]:
             if u.finish == "abort":
                 return
             if u.text or u.logprobs:
-                yield fmt.event(fmt.delta(u.text, u.logprobs))
+                yield fmt.event(fmt.delta(u.text, u.logprobs, i))
             if u.finish is not None:
-                yield fmt.event(fmt.final(u.finish, job))
-                if job.req.include_usage:
-                    yield fmt.event(fmt.usage_chunk(job))
+                yield fmt.event(fmt.final(u.finish, jobs[i], i))
+        else:
+            if fmt.req.include_usage:
+                yield fmt.event(fmt.usage_chunk(jobs))
         yield b"data: [DONE]\n\n"
     finally:
-        job.cancel()
+        for j in jobs:
+            j.cancel()
 
 
-async def complete(request: Request, job: Job, fmt: Formatter) -> Response:
+async def complete(request: Request, jobs: list[Job], fmt: Formatter) -> Response:
     """A non-streamed response; a client that disconnects while waiting cancels the request."""
 
     async def watch() -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                job.cancel()
+                for j in jobs:
+                    j.cancel()
                 return
 
     watcher = asyncio.create_task(watch())
-    texts, logprobs, finish = [], [], None
+    texts: list[list[str]] = [[] for _ in jobs]
+    logprobs: list[list] = [[] for _ in jobs]
+    finish: list[str | None] = [None] * len(jobs)
     try:
-        async for u in job.updates():
+        async for i, u in merged(jobs):
             if u.error is not None:
                 raise APIError(u.status, u.error, None, "shutting_down" if u.status == 503 else "internal_error")
-            texts.append(u.text)
-            logprobs.extend(u.logprobs)
-            finish = u.finish
+            texts[i].append(u.text)
+            logprobs[i].extend(u.logprobs)
+            finish[i] = u.finish
     finally:
         watcher.cancel()
-        job.cancel()
-    if finish == "abort":
+        for j in jobs:
+            j.cancel()
+    if "abort" in finish:
         return Response(status_code=499)  # nobody is listening
-    return JSONResponse(fmt.whole("".join(texts), logprobs, finish, job))
+    return JSONResponse(fmt.whole(["".join(t) for t in texts], logprobs, finish, jobs))
 
 
 class Formatter:
@@ -330,7 +367,7 @@ class Formatter:
         self.tok, self.req, self.id = tokenizer, req, rid
         self.chat = req.kind == "chat"
         self.created = int(time.time())
-        self.offset = 0  # completions' logprobs text_offset
+        self.offset: dict[int, int] = {}  # completions' logprobs text_offset, per choice
         self.piece = functools.lru_cache(maxsize=4096)(lambda t: self.tok.decode([t]))
 
     @staticmethod
@@ -345,35 +382,39 @@ class Formatter:
             head["usage"] = None  # as OpenAI: null on every chunk but the last
         return head
 
-    def _choice(self, text: str, logprobs, finish: str | None, role: bool = False) -> dict:
+    def _choice(self, i: int, text: str, logprobs, finish: str | None, role: bool = False) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text or logprobs
                                                                          else {})
-            return {"index": 0, "delta": delta, "logprobs": self._chat_logprobs(logprobs), "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": self._completion_logprobs(logprobs), "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": self._chat_logprobs(logprobs), "finish_reason": finish}
+        return {"index": i, "text": text, "logprobs": self._completion_logprobs(logprobs, i),
+                "finish_reason": finish}
 
-    def start(self) -> dict:
-        """The first chunk: the assistant role (chat) or an empty text (completions)."""
-        return {**self._head(True), "choices": [self._choice("", [], None, role=self.chat)]}
+    def start(self, i: int = 0) -> dict:
+        """A choice's first chunk: the assistant role (chat) or an empty text (completions)."""
+        return {**self._head(True), "choices": [self._choice(i, "", [], None, role=self.chat)]}
 
-    def delta(self, text: str, logprobs) -> dict:
-        return {**self._head(True), "choices": [self._choice(text, logprobs, None)]}
+    def delta(self, text: str, logprobs, i: int = 0) -> dict:
+        return {**self._head(True), "choices": [self._choice(i, text, logprobs, None)]}
 
-    def final(self, finish: str, job: Job) -> dict:
-        return {**self._head(True), "choices": [self._choice("", [], finish)], "timings": job.timings}
+    def final(self, finish: str, job: Job, i: int = 0) -> dict:
+        return {**self._head(True), "choices": [self._choice(i, "", [], finish)], "timings": job.timings}
 
-    def usage_chunk(self, job: Job) -> dict:
+    def usage_chunk(self, jobs: list[Job]) -> dict:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
-        return {**self._head(True), "choices": [], "usage": job.usage}
+        return {**self._head(True), "choices": [], "usage": usage(jobs)}
 
-    def whole(self, text: str, logprobs, finish: str, job: Job) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": self._chat_logprobs(logprobs), "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._completion_logprobs(logprobs),
-                      "finish_reason": finish}
-        return {**self._head(False), "choices": [choice], "usage": job.usage, "timings": job.timings}
+    def whole(self, texts: list[str], logprobs: list, finish: list, jobs: list[Job]) -> dict:
+        """The response object; timings (llama-server's, one object) are the first choice's."""
+        choices = []
+        for i, (text, lps, reason) in enumerate(zip(texts, logprobs, finish, strict=True)):
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                                "logprobs": self._chat_logprobs(lps), "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": self._completion_logprobs(lps, i),
+                                "finish_reason": reason})
+        return {**self._head(False), "choices": choices, "usage": usage(jobs), "timings": jobs[0].timings}
 
     def _entry(self, t: int, lp: float) -> dict:
         s = self.piece(t)
@@ -385,18 +426,27 @@ class Formatter:
         return {"content": [{**self._entry(t, lp), "top_logprobs": [self._entry(a, alp) for a, alp in alts]}
                             for t, lp, alts in entries], "refusal": None}
 
-    def _completion_logprobs(self, entries) -> dict | None:
+    def _completion_logprobs(self, entries, i: int) -> dict | None:
         if self.req.logprobs is None:
             return None
         tokens, lps, tops, offsets = [], [], [], []
+        offset = self.offset.get(i, 0)
         for t, lp, alts in entries:
             s = self.piece(t)
             tokens.append(s)
             lps.append(_finite(lp))
             tops.append({self.piece(a): _finite(alp) for a, alp in alts})
-            offsets.append(self.offset)
-            self.offset += len(s)
+            offsets.append(offset)
+            offset += len(s)
+        self.offset[i] = offset
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(jobs: list[Job]) -> dict:
+    """OpenAI's usage of a request's choices: the prompt counted once, every choice's completion tokens."""
+    first = jobs[0].usage
+    completion = sum(j.usage["completion_tokens"] for j in jobs)
+    return {**first, "completion_tokens": completion, "total_tokens": first["prompt_tokens"] + completion}
 
 
 def _finite(x: float) -> float:

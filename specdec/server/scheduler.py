@@ -86,6 +86,7 @@ class Job:
         self.usage: dict | None = None
         self.timings: dict | None = None
         self.counted = Counted()
+        self.siblings: list[Job] = [self]  # the choices of one request (n), admitted together
 
     def cancel(self) -> None:
         """The client went away (or the handler ended): free the slot at the next step. Called on the event loop;
@@ -157,21 +158,27 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
-    def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue a request; 503 (with Retry-After) when --max-queue requests already wait beyond the free slots."""
+    def submit(self, reqs: list[GenRequest], loop: asyncio.AbstractEventLoop) -> list[Job]:
+        """Queue a request's choices (one sequence each) together; 503 (with Retry-After) when they do not all fit
+        beside the requests already waiting (--max-queue beyond the free slots)."""
         with self._cond:
             if self._stopping:
                 raise APIError(503, "the server is shutting down", None, "shutting_down", {"Retry-After": "5"})
-            if len(self._waiting) >= self.max_queue + max(0, self.parallel - self._busy):
+            if len(self._waiting) + len(reqs) > self.max_queue + max(0, self.parallel - self._busy):
                 self.metrics.rejected.labels(status="503").inc()
                 raise APIError(503, f"the server is busy: {len(self._waiting)} requests are already waiting for "
                                f"its {self.parallel} slots (--max-queue {self.max_queue}); retry later", None,
                                "queue_full", {"Retry-After": "1"})
-            job = Job(req, loop, self)
-            self._waiting.append(job)
+            if len(reqs) > self.max_queue + self.parallel:
+                raise APIError(400, f"'n' = {len(reqs)} is more than this server holds at once ({self.parallel} "
+                               f"slots and a queue of {self.max_queue}): ask for fewer choices", "n")
+            jobs = [Job(req, loop, self) for req in reqs]
+            for j in jobs:
+                j.siblings = jobs
+            self._waiting.extend(jobs)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify()
-        return job
+        return jobs
 
     def wake(self) -> None:
         with self._cond:
@@ -204,8 +211,12 @@ class Scheduler:
                 self.metrics.waiting.set(len(self._waiting))
             for j in dropped:
                 self._close(j, "abort")
+            started: set[int] = set()
             for j in admit:
-                self._admit(j)
+                if j.id not in started:
+                    group = [s for s in admit if s.siblings is j.siblings]
+                    started.update(s.id for s in group)
+                    self._admit_group(group)
             if self.running:
                 self._step()
             with self._cond:
@@ -228,14 +239,33 @@ class Scheduler:
             changes["tree"] = None
         return dataclasses.replace(base, **changes)
 
-    def _admit(self, job: Job) -> None:
+    def _admit_group(self, jobs: list[Job]) -> None:
+        """Admit a request's choices: with n > 1 (and a slot to spare) the prompt is prefilled once, in a slot of its
+        own, and each choice starts from a copy of it (Engine.prefill_prefix: the same keys and values)."""
+        if len(jobs) == 1 or self.engine.free_slots <= len(jobs):
+            for j in jobs:
+                self._admit(j)
+            return
+        try:
+            prefix = self.engine.prefill_prefix(list(jobs[0].req.prompt))
+        except Exception as e:
+            for j in jobs:
+                self._fail(j, f"could not start the request: {type(e).__name__}: {e}")
+            return
+        try:
+            for j in jobs:
+                self._admit(j, prefix)
+        finally:
+            self.engine.release_prefix(prefix)
+
+    def _admit(self, job: Job, prefix=None) -> None:
         req, b = job.req, self.backend
         try:
             spec = self._spec_for(req.spec)
             proposer = build_proposer(spec, b.target, req.params, b.draft, b.mtp, b.index)
             seq = Sequence(list(req.prompt), req.params, req.max_tokens, req.ignore_eos, proposer, spec.policy(),
                            self.eog, logprobs=req.logprobs)
-            self.engine.add(seq)
+            self.engine.add(seq, prefix)
         except Exception as e:  # requests were validated: this is a server-side failure, said in one line
             self._fail(job, f"could not start the request: {type(e).__name__}: {e}")
             return
@@ -246,6 +276,8 @@ class Scheduler:
         if self.engine.prompt_cache:
             self.metrics.prefix_queries.inc(len(req.prompt))
             self.metrics.prefix_hits.inc(seq.stats.cached_tokens)
+        if seq.out:  # started from a prefix: its first token is already there
+            self._deliver(job, list(seq.out))
 
     def _step(self) -> None:
         try:

@@ -3,7 +3,7 @@
 Every request body is checked here, field by field, before anything reaches the engine: a malformed or hostile
 request becomes an `APIError` (a 4xx with OpenAI's body {"error": {"message", "type", "param", "code"}}), never a
 500 (the official openai client retries 5xx). Unknown fields are ignored, as OpenAI-compatible servers do (clients
-send many); known features this server does not implement (tools, response_format, n > 1, ...) are refused with a
+send many); known features this server does not implement (tools, response_format, best_of, ...) are refused with a
 400 that names the field. Sampling defaults are llama-server's; llama-server's extensions `top_k`, `min_p`,
 `repeat_penalty`, `repeat_last_n`, `ignore_eos` and the per-request `speculative` object are understood.
 """
@@ -26,6 +26,7 @@ MAX_STOP = 16  # stop strings per request (OpenAI allows 4; chat front-ends send
 MAX_STOP_CHARS = 256  # a stop string this long already holds back that much streamed text
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 1024
+MAX_N = 16  # choices per request (n): each its own sequence in the engine, all admitted together
 SPEC_N_MAX = 16  # per-request speculative.n_max is clamped to [0, SPEC_N_MAX], n_min to [0, n_max]
 # llama.cpp's --spec-type names, mapped onto specdec's proposers
 SPEC_ALIASES = {"draft-simple": "draft", "draft-mtp": "mtp", "ngram-simple": "ngram", "ngram-map-k": "ngram",
@@ -86,6 +87,7 @@ class GenRequest:
     logprobs: int | None = None  # top alternatives per token (0 = only the chosen token's), None = off
     ignore_eos: bool = False
     spec: SpecRequest = field(default_factory=SpecRequest)
+    n: int = 1  # choices: sequences of the same prompt, choice i seeded with seed + i when a seed is given
 
 
 @dataclass
@@ -251,17 +253,12 @@ def _common(body: dict, m: ModelContext, kind: str, model: str, prompt: list[int
     include_usage = stream and get_bool(opts or {}, "include_usage")
     return GenRequest(kind=kind, model=model, prompt=prompt, params=_sampling(body, m), max_tokens=max_tokens,
                       stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage, logprobs=logprobs,
-                      ignore_eos=get_bool(body, "ignore_eos"), spec=_speculative(body, m))
+                      ignore_eos=get_bool(body, "ignore_eos"), spec=_speculative(body, m),
+                      n=get_int(body, "n", 1, 1, MAX_N))
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     """A 400 naming each known OpenAI feature this server does not implement (when the request really uses it)."""
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
-        raise _wrong("n", "an integer", n)
-    if n is not None and n != 1:
-        raise bad(f"'n' = {n} is not supported: this server returns one choice per request (n = 1)", "n",
-                  "unsupported_value")
     best_of = body.get("best_of")
     if best_of not in (None, 1):
         raise bad("'best_of' other than 1 is not supported", "best_of", "unsupported_value")
