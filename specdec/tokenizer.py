@@ -176,15 +176,20 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer:
 def _tokenizer_only_gguf(path: Path, scratch: Path) -> Path | None:
     """A copy of the GGUF's tokenizer.* fields alone, as architecture "llama", in `scratch`, when transformers cannot
     read the file's own architecture; None when it can (or the file cannot be parsed: transformers says why)."""
+    from .weights.gguf import gguf_architecture
+
+    arch = gguf_architecture(path)  # a header walk: gguf-py's reader would parse the whole vocabulary first
     try:
         import gguf
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-        reader = gguf.GGUFReader(path)
-        arch = reader.fields["general.architecture"].contents()
-    except Exception:
+    except ImportError:
         return None
-    if arch in GGUF_SUPPORTED_ARCHITECTURES or arch.replace("moe", "_moe") in GGUF_SUPPORTED_ARCHITECTURES:
+    supported = GGUF_SUPPORTED_ARCHITECTURES
+    if arch is None or arch in supported or arch.replace("moe", "_moe") in supported:
+        return None
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception:
         return None
     out = scratch / "tokenizer.gguf"
     w = gguf.GGUFWriter(str(out), "llama")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tiny_models import write_gguf
 from transformers import AutoTokenizer
 
 from specdec.tokenizer import StreamDecoder, load_tokenizer
@@ -80,3 +81,19 @@ def test_special_ids(smollm2_path):
     assert tok.eos_id == 2 and tok.backend.id_to_token(2) == "<|im_end|>"
     assert 2 in tok.eog_ids
     assert tok.vocab_size == 49152
+
+
+def test_gguf_architecture_reads_the_header(tmp_path):
+    """The tokenizer's conversion reads a GGUF's architecture by walking the header (gguf-py's reader would parse the
+    whole vocabulary first): the same value as gguf-py's, None for what is not a readable GGUF."""
+    import gguf
+
+    from specdec.weights.gguf import gguf_architecture
+
+    for arch in ("llama", "gemma3", "qwen2"):
+        path = write_gguf(arch, tmp_path / f"{arch}.gguf")
+        assert gguf_architecture(path) == gguf.GGUFReader(path).fields["general.architecture"].contents() == arch
+        (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:40])
+        assert gguf_architecture(tmp_path / "cut.gguf") is None
+    (tmp_path / "text.gguf").write_text("not a model")
+    assert gguf_architecture(tmp_path / "text.gguf") is None
