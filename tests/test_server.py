@@ -596,6 +596,10 @@ def test_health_while_loading_then_queue_full(target, server):
         assert metric(m, "specdec:request_success_total", finished_reason="abort") == 2
         r = post(srv, "/v1/chat/completions", chat_body("hi", 4))
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        r = post(srv, "/v1/chat/completions", chat_body("hi", 4, n=3))  # more choices than 1 slot + a queue of 1
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        r = post(srv, "/v1/chat/completions", chat_body("hi", 4, n=2))  # fits: one choice waits for the other
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     finally:
         go.set()
         srv.stop()

@@ -91,7 +91,7 @@ def test_gguf_architecture_reads_the_header(tmp_path):
     from specdec.weights.gguf import gguf_architecture
 
     for arch in ("llama", "gemma3", "qwen2"):
-        path = write_gguf(arch, tmp_path / f"{arch}.gguf")
+        path = write_gguf(arch, tmp_path / f"{arch}.gguf", tokenizer=False)
         assert gguf_architecture(path) == gguf.GGUFReader(path).fields["general.architecture"].contents() == arch
         (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:40])
         assert gguf_architecture(tmp_path / "cut.gguf") is None

@@ -164,14 +164,14 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise APIError(503, "the server is shutting down", None, "shutting_down", {"Retry-After": "5"})
+            if len(reqs) > self.max_queue + self.parallel:  # never fits: a 400, not "busy"
+                raise APIError(400, f"'n' = {len(reqs)} is more than this server holds at once ({self.parallel} "
+                               f"slots and a queue of {self.max_queue}): ask for fewer choices", "n")
             if len(self._waiting) + len(reqs) > self.max_queue + max(0, self.parallel - self._busy):
                 self.metrics.rejected.labels(status="503").inc()
                 raise APIError(503, f"the server is busy: {len(self._waiting)} requests are already waiting for "
                                f"its {self.parallel} slots (--max-queue {self.max_queue}); retry later", None,
                                "queue_full", {"Retry-After": "1"})
-            if len(reqs) > self.max_queue + self.parallel:
-                raise APIError(400, f"'n' = {len(reqs)} is more than this server holds at once ({self.parallel} "
-                               f"slots and a queue of {self.max_queue}): ask for fewer choices", "n")
             jobs = [Job(req, loop, self) for req in reqs]
             for j in jobs:
                 j.siblings = jobs

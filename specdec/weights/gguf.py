@@ -198,8 +198,8 @@ def _check_header(path: Path) -> tuple[dict, list[tuple[str, tuple[int, ...], in
     tensor dimensions positive (at most 4) and their product consistent with the tensor's type, and each tensor's
     bytes aligned, inside the file and apart from the others (GGUFReader itself reads past the end as empty arrays,
     so an array count that lies makes it loop, appending, until memory runs out).
-    -> (metadata {key: value} but the tokenizer's large arrays, tensor infos [(name, dims, type, offset from the data
-    section, bytes)] in file order, where the data section starts, the byte order "<" or ">")."""
+    -> (metadata {key: value} without the tokenizer's large arrays, tensor infos [(name, dims, type, offset from
+    the data section, bytes)] in file order, where the data section starts, the byte order "<" or ">")."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -220,7 +220,8 @@ def _check_header(path: Path) -> tuple[dict, list[tuple[str, tuple[int, ...], in
             key = c.text(f"metadata key {i}")
             what = f"metadata '{key[:64]}'"
             value = c.value(c.ints("I", what)[0], what, keep=key not in _TOKENIZER_ARRAYS)
-            meta[key] = value
+            if key not in _TOKENIZER_ARRAYS:
+                meta[key] = value
             if key == "general.alignment":
                 if not value or value & (value - 1):
                     raise c.corrupt(f"general.alignment {value} is not a power of two")
