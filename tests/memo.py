@@ -34,6 +34,14 @@ def read_marks(cache, n: int) -> list[int]:
     return [sum(int(d) << (7 * i) for i, d in enumerate(r)) for r in rows]
 
 
+def advance(cache, marks: list[int], positions: torch.Tensor) -> None:
+    """What a forward does to its cache, without keys or values: the next slots stand for `marks` at `positions`."""
+    start = cache.reserve(len(marks))
+    write_marks(cache, start, marks)
+    cache.pos[start:start + len(marks)] = positions
+    cache.length = start + len(marks)
+
+
 class Memo:
     """A Transformer whose forward rows come from a table keyed by context (see the module docstring).
 
@@ -68,7 +76,7 @@ class Memo:
             ctx = read_marks(cache, cache.length) + list(tokens)
             rows = [self._row(tuple(ctx[:len(ctx) - len(tokens) + i + 1])) for i in range(len(tokens))]
             logits, hidden = rows[-1][0], torch.stack([h for _, h in rows])
-        self._advance(cache, list(tokens), torch.arange(cache.length, cache.length + len(tokens)))
+        advance(cache, list(tokens), torch.arange(cache.length, cache.length + len(tokens)))
         return logits, hidden
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, parents: list[int] | None = None,
@@ -90,14 +98,8 @@ class Memo:
         for i, t in enumerate(tokens):
             paths.append([t] if i == 0 else (paths[parents[i - 1] + 1] if parents is not None else paths[-1]) + [t])
         rows = [self._row(tuple(before + p)) for p in paths]
-        self._advance(cache, tokens, positions)
+        advance(cache, tokens, positions)
         return torch.stack([lg for lg, _ in rows]), torch.stack([h for _, h in rows])
-
-    def _advance(self, cache, tokens: list[int], positions: torch.Tensor) -> None:
-        start = cache.reserve(len(tokens))
-        write_marks(cache, start, tokens)
-        cache.pos[start:start + len(tokens)] = positions
-        cache.length = start + len(tokens)
 
     def _row(self, ctx: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         self.rows += 1
@@ -151,10 +153,7 @@ class MemoModule:
         for i in new:
             if i not in self.table:
                 self._compute(i)
-        start = cache.reserve(len(new))
-        write_marks(cache, start, new)
-        cache.pos[start:start + len(new)] = positions
-        cache.length = start + len(new)
+        advance(cache, new, positions)
         logits = torch.stack([self.table[i][0] for i in new])
         x = torch.stack([self.table[i][1] for i in new])
         return (logits[-1:] if last_only else logits)[None], x[None]
