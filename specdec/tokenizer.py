@@ -1,9 +1,9 @@
 """Tokenizer and chat template, from a GGUF file's metadata or a Hugging Face folder's tokenizer.json.
 
 A GGUF carries its vocabulary as metadata. Hugging Face transformers already knows how to turn that into a
-`tokenizers` tokenizer (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``), so we let it do the conversion once
-and cache the result as a tokenizer.json (the conversion of a 262k-token Gemma vocabulary takes ~15 s; loading the
-cached file takes well under one). At run time only the fast `tokenizers` library and jinja2 are used, so encoding is
+`tokenizers` tokenizer (``TokenizersBackend.from_pretrained(dir, gguf_file=...)``), so we let it do the conversion once
+and cache the result as a tokenizer.json (the conversion of a 262k-token Gemma vocabulary takes ~4 s; loading the
+cached file takes ~1 s). At run time only the fast `tokenizers` library and jinja2 are used, so encoding is
 Hugging Face's token for token, and chat templates render as transformers renders them.
 """
 
@@ -153,9 +153,29 @@ class StreamDecoder:
         return after[len(before):]
 
 
+# the cached tokenizer.json's format (bumped when _compact_tokenizer_json changes what it writes)
+TOKENIZER_CACHE_VERSION = 2
+
+
 def _file_key(path: Path) -> str:
     st = path.stat()
-    return hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{TOKENIZER_CACHE_VERSION}"
+    return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def _compact_tokenizer_json(path: Path) -> None:
+    """Rewrite a tokenizer.json so that `tokenizers` loads it with less memory and time: BPE merges as "a b" strings
+    (the library's older merges format, still read; the pair form costs a list per merge while parsing) when no
+    merged token contains a space, and no indentation. The tokenizer it describes is the same (to_str() equal,
+    tests/test_tokenizer.py::test_compact_json_is_the_same_tokenizer). Gemma 3's 262k-token vocabulary:
+    from_file peak RSS 380 -> 185 MB, 1.47 -> 1.01 s (docs/results/tokenizer-load-1206.txt)."""
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    model = spec.get("model") or {}
+    merges = model.get("merges")
+    if model.get("type") == "BPE" and merges and all(
+            isinstance(m, list) and len(m) == 2 and " " not in m[0] + m[1] for m in merges):
+        model["merges"] = [f"{a} {b}" for a, b in merges]
+    path.write_text(json.dumps(spec, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
 
 
 def load_tokenizer(model_path: str | Path) -> Tokenizer:
@@ -173,41 +193,6 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer:
     return tok
 
 
-def _tokenizer_only_gguf(path: Path, scratch: Path) -> Path | None:
-    """A copy of the GGUF's tokenizer.* fields alone, as architecture "llama", in `scratch`, when transformers cannot
-    read the file's own architecture; None when it can (or the file cannot be parsed: transformers says why)."""
-    from .weights.gguf import gguf_architecture
-
-    arch = gguf_architecture(path)  # a header walk: gguf-py's reader would parse the whole vocabulary first
-    try:
-        import gguf
-        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-    except ImportError:
-        return None
-    supported = GGUF_SUPPORTED_ARCHITECTURES
-    if arch is None or arch in supported or arch.replace("moe", "_moe") in supported:
-        return None
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception:
-        return None
-    out = scratch / "tokenizer.gguf"
-    w = gguf.GGUFWriter(str(out), "llama")
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        value, kind = field.contents(), field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            w.add_array(key, list(value))
-        else:
-            w.add_key_value(key, value, kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.close()
-    return out
-
-
 def _convert_gguf_tokenizer(path: Path, folder: Path) -> Path:
     """Convert a GGUF vocabulary with transformers and save it as tokenizer.json (written atomically) -> the folder
     holding it (a temporary one when the cache cannot be written)."""
@@ -216,17 +201,17 @@ def _convert_gguf_tokenizer(path: Path, folder: Path) -> Path:
     import tempfile
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
+    from transformers import TokenizersBackend
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
-        with tempfile.TemporaryDirectory() as scratch:
-            # transformers reads a GGUF's vocabulary only for the architectures it can load (not deepseek2 or
-            # glm4moe): hand it the tokenizer fields alone under a neutral architecture then
-            src = _tokenizer_only_gguf(path, Path(scratch)) or path
-            tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        # the tokenizer class itself, not AutoTokenizer: AutoTokenizer first builds the model's config from the file
+        # (a second full parse of the vocabulary, 20 s of Gemma 3's 24 s, docs/results/tokenizer-convert-1206b.txt)
+        # only to pick a class, and fails on architectures transformers cannot load (deepseek2, glm4moe); the
+        # tokenizer.json written is the same byte for byte (tests/test_tokenizer.py::test_conversion_equals_auto)
+        tok = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # transformers raises many kinds here; all mean "this vocabulary can't be converted"
         raise ModelError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {str(e)[:200]}") from e
     try:
@@ -238,6 +223,7 @@ def _convert_gguf_tokenizer(path: Path, folder: Path) -> Path:
         tmp = Path(tempfile.mkdtemp())
         folder = tmp
     tok.save_pretrained(str(tmp))
+    _compact_tokenizer_json(tmp / "tokenizer.json")
     cfg_path = tmp / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     cfg.setdefault("bos_token", tok.bos_token)

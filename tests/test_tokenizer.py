@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from tiny_models import write_gguf
 from transformers import AutoTokenizer
 
 from specdec.tokenizer import StreamDecoder, load_tokenizer
@@ -83,17 +82,79 @@ def test_special_ids(smollm2_path):
     assert tok.vocab_size == 49152
 
 
-def test_gguf_architecture_reads_the_header(tmp_path):
-    """The tokenizer's conversion reads a GGUF's architecture by walking the header (gguf-py's reader would parse the
-    whole vocabulary first): the same value as gguf-py's, None for what is not a readable GGUF."""
+def _spm_gguf(path, arch: str):
+    """A tokenizer-only GGUF with a small SentencePiece-style vocabulary (tokenizer.ggml.model "llama", as llama.cpp
+    writes Llama-2, Mistral and Gemma files): special, byte, normal, control and user-defined tokens, no merges."""
     import gguf
 
-    from specdec.weights.gguf import gguf_architecture
+    words = ["hello", "world", "the", "speculative", "decoding", "token"]
+    pieces = ["\u2581"] + sorted({c for w in words for c in w})
+    for w in words:
+        for n in range(2, len(w) + 1):
+            pieces += [p for p in (w[:n], "\u2581" + w[:n - 1]) if p not in pieces]
+    special = ["<unk>", "<s>", "</s>"] if arch != "gemma3" else ["<pad>", "<eos>", "<bos>", "<unk>"]
+    tokens = special + [f"<0x{b:02X}>" for b in range(256)] + pieces + ["<start_of_turn>", "<think>", "  "]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    w.add_token_types([2 if t == "<unk>" else 3 for t in special] + [6] * 256 + [1] * len(pieces) + [3, 4, 1])
+    w.add_bos_token_id(tokens.index("<bos>" if arch == "gemma3" else "<s>"))
+    w.add_eos_token_id(tokens.index("<eos>" if arch == "gemma3" else "</s>"))
+    w.add_unk_token_id(tokens.index("<unk>"))
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return path
 
-    for arch in ("llama", "gemma3", "qwen2"):
-        path = write_gguf(arch, tmp_path / f"{arch}.gguf", tokenizer=False)
-        assert gguf_architecture(path) == gguf.GGUFReader(path).fields["general.architecture"].contents() == arch
-        (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:40])
-        assert gguf_architecture(tmp_path / "cut.gguf") is None
-    (tmp_path / "text.gguf").write_text("not a model")
-    assert gguf_architecture(tmp_path / "text.gguf") is None
+
+@pytest.mark.parametrize("kind", ["smollm2", "llama", "gemma3", "qwen2", "deepseek2"])
+def test_conversion_equals_auto(tmp_path, smollm2_path, kind):
+    """The conversion builds the tokenizer class directly (no model config from the file, which made AutoTokenizer
+    parse the vocabulary a second time): the same tokenizer as AutoTokenizer's (its serialization, to_str(), equal),
+    the same special tokens and template, on the default model's byte-level BPE and on SentencePiece vocabularies
+    under the architectures whose tokenizer classes differ (Llama, Gemma, Qwen2). deepseek2, which transformers
+    cannot load as a model, converts too (its reference is the same vocabulary written as llama)."""
+    from tokenizers import Tokenizer as FastTokenizer
+
+    from specdec.tokenizer import Tokenizer, _convert_gguf_tokenizer
+
+    path = smollm2_path if kind == "smollm2" else _spm_gguf(tmp_path / f"{kind}.gguf", kind)
+    (tmp_path / "ref").mkdir()
+    ref_path = _spm_gguf(tmp_path / "ref" / "llama.gguf", "llama") if kind == "deepseek2" else path
+    ours = _convert_gguf_tokenizer(path, tmp_path / "ours")
+    ref = AutoTokenizer.from_pretrained(str(ref_path.parent), gguf_file=ref_path.name)
+    ref.save_pretrained(str(tmp_path / "auto"))
+    tok = Tokenizer(ours)
+    assert tok.backend.to_str() == FastTokenizer.from_file(str(tmp_path / "auto" / "tokenizer.json")).to_str()
+    template = tok.chat_template if ref.chat_template else None  # else ours falls back to a built-in one
+    assert (tok.bos_token, tok.eos_token, template) == (ref.bos_token, ref.eos_token, ref.chat_template)
+    text = "hello world <think> the <start_of_turn>speculative token"
+    assert tok.encode(text) == ref(text)["input_ids"]
+
+
+@pytest.mark.parametrize("space", [False, True])
+def test_compact_json_is_the_same_tokenizer(tmp_path, space):
+    """The cached tokenizer.json is rewritten with "a b" merges (less memory to load) unless a merged token holds a
+    space, which that form cannot say: pairs are kept then. Either way the file loads as the same tokenizer."""
+    import json
+
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers.models import BPE
+
+    from specdec.tokenizer import _compact_tokenizer_json
+
+    first = " " if space else "_"
+    vocab = {"a": 0, "b": 1, "ab": 2, first: 3, first + "a": 4, first + "ab": 5}
+    tok = FastTokenizer(BPE(vocab, [(first, "a"), (first + "a", "b"), ("a", "b")]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    _compact_tokenizer_json(path)
+    merges = json.loads(path.read_text())["model"]["merges"]
+    assert merges == ([[" ", "a"], [" a", "b"], ["a", "b"]] if space else ["_ a", "_a b", "a b"])
+    again = FastTokenizer.from_file(str(path))
+    assert again.to_str() == tok.to_str()
+    assert again.encode(first + "ab" + "ab").ids == tok.encode(first + "ab" + "ab").ids == [5, 2]

@@ -167,31 +167,6 @@ class _Cursor:
         return None
 
 
-def gguf_architecture(path: Path) -> str | None:
-    """general.architecture of a GGUF file, read by walking its header to that key (gguf-py's GGUFReader parses every
-    field first: 17 s for Gemma 3's 262k-token vocabulary here); None when the file is not a readable GGUF."""
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            c = _Cursor(buf, path)
-            if buf[:4] != GGUF_MAGIC:
-                return None
-            c.skip(4, "the magic")
-            if c.ints("I", "the version")[0] & 0xFFFF == 0:
-                c.order = ">"
-            _, n_kv = c.ints("QQ", "the header")
-            for i in range(n_kv):
-                key = c.string(f"metadata key {i}")
-                vtype = c.ints("I", f"metadata '{key}'")[0]
-                if key == "general.architecture" and vtype == _STRING:
-                    n = c.ints("Q", key)[0]
-                    start = c.skip(n, key)
-                    return buf[start:start + n].decode()
-                c.value(vtype, f"metadata '{key}'")
-    except (OSError, ValueError, ModelError):
-        return None
-    return None
-
-
 def _check_header(path: Path) -> tuple[dict, list[tuple[str, tuple[int, ...], int, int, int]], int, str]:
     """Validate and read a GGUF header (KV metadata, then tensor infos), as llama.cpp's
     gguf_init_from_file does: every count, string and array length must fit the file, value types must be known,
