@@ -14,11 +14,15 @@ a slow path (see MACHINE-FACTS.md), so those layers cast their input to bf16 and
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from . import kernels
+
+if TYPE_CHECKING:
+    from .weights import Rows
 
 INT4_GROUP = 32
 CHUNK = 4096  # rows quantized at a time
@@ -223,7 +227,7 @@ class Int4Linear(_Native):
         return [t for t in (*parts, self.bias) if t is not None]
 
 
-def make_linear(w: torch.Tensor | Callable[[], torch.Tensor], b: torch.Tensor | None, dtype: torch.dtype,
+def make_linear(w: torch.Tensor | Callable[[], torch.Tensor | Rows], b: torch.Tensor | None, dtype: torch.dtype,
                 quant: str, source_bits: float = 32.0, codes: tuple | None = None, lookup: bool = False) -> Linear:
     """The linear layer for weight `w` [N, K] (or a function that makes it) under a quantization choice.
 
@@ -237,12 +241,12 @@ def make_linear(w: torch.Tensor | Callable[[], torch.Tensor], b: torch.Tensor | 
         quant = "int4" if source_bits <= 5.01 else "int8"
     if quant == "int4" and codes is not None and codes[0].device.type == "cpu" and has_int4_kernel():
         return Int4Linear.from_codes(*codes, b, lookup)
-    w = w() if callable(w) else w
+    w = w() if callable(w) else w  # a tensor, or weights.Rows (read by ranges of rows)
     if quant == "int4" and w.device.type == "cpu" and has_int4_kernel() and w.shape[1] % INT4_GROUP == 0:
         return Int4Linear(w, b, lookup=lookup)
     if quant in ("int8", "int4") and w.device.type == "cpu":
         return Int8Linear(w, b)
-    return Linear(w, b, dtype)
+    return Linear(w if isinstance(w, torch.Tensor) else w[:], b, dtype)
 
 
 def linear_state(lin: Linear) -> tuple[dict[str, torch.Tensor], dict]:

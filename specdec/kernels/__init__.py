@@ -267,23 +267,33 @@ def matmul_supports(n: int, k: int, device: torch.device) -> bool:
     return device.type == "cpu" and n % LANES == 0 and k % GROUP == 0 and matmul_lib() is not None
 
 
+PACK_ROWS = 4096  # rows packed at a time: the layout's temporaries stay a few MB (a 262k-row table's were GBs)
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """matmul.c's int4 layout from codes q [N, K] (0..15) and per-group scale, zero [N, K/32] (w = (q - 8) s + z)
     -> (codes [N/16, K/32, 4, 64] uint8: instruction 2j in the low nibbles, 2j + 1 in the high ones; scales and
-    zeros [N/16, K/32, 16] bf16)."""
+    zeros [N/16, K/32, 16] bf16). Packed by PACK_ROWS rows into the outputs."""
     N, K = q.shape
     nb, G = N // LANES, K // GROUP
-    codes = q.to(torch.uint8).reshape(nb, LANES, G, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(nb, G, 4, 2, 64)
-    packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).contiguous()
+    packed = torch.empty(nb, G, 4, 64, dtype=torch.uint8)
+    for a in range(0, N, PACK_ROWS):
+        rows = q[a:a + PACK_ROWS].to(torch.uint8)
+        codes = rows.reshape(-1, LANES, G, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(-1, G, 4, 2, 64)
+        packed[a // LANES:(a + rows.shape[0]) // LANES] = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)
     per_block = lambda t: t.reshape(nb, LANES, G).transpose(1, 2).to(torch.bfloat16).contiguous()  # noqa: E731
     return packed, per_block(scale), per_block(zero)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """matmul.c's int8 layout from codes q [N, K] (-127..127): q + 128 as [N/16, K/32, 8, 64] uint8."""
+    """matmul.c's int8 layout from codes q [N, K] (int8, -127..127): q + 128 as [N/16, K/32, 8, 64] uint8 (q + 128
+    is q's byte with the top bit flipped). Packed by PACK_ROWS rows into the output."""
     N, K = q.shape
-    codes = (q.to(torch.int16) + 128).to(torch.uint8)
-    return codes.reshape(N // LANES, LANES, K // GROUP, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    out = torch.empty(N // LANES, K // GROUP, 8, LANES, 4, dtype=torch.uint8)
+    for a in range(0, N, PACK_ROWS):
+        rows = q[a:a + PACK_ROWS].contiguous().view(torch.uint8) ^ 0x80
+        out[a // LANES:(a + rows.shape[0]) // LANES] = rows.reshape(-1, LANES, K // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
+    return out
 
 
 def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,

@@ -366,7 +366,8 @@ class Transformer:
         self.max_len = max_len or min(args.max_seq_len, 4096)
         w = weights
         codes = lambda n: w.codes(n) if quant in ("auto", "int4") and dev.type == "cpu" else None  # noqa: E731
-        embed = lambda: w["token_embd"].to(dev)  # noqa: E731
+        # the tables by ranges of rows where they are requantized (weights.Rows: no f32 copy of a whole vocabulary)
+        embed = lambda: w.rows("token_embd") if dev.type == "cpu" else w["token_embd"].to(dev)  # noqa: E731
         # the embedding is looked up from a layer's table (Linear.rows): the output head's when they are tied, so a
         # quantized model keeps no float copy of it
         table = lambda: make_linear(embed, None, dtype, quant, w.bits("token_embd"), codes("token_embd"),  # noqa
@@ -374,8 +375,9 @@ class Transformer:
         if args.tie_embeddings:
             self.output = self.embed = w.linear("output", table)
         else:
-            self.output = w.linear("output", lambda: make_linear(lambda: w["output"].to(dev), None, dtype, quant,
-                                                                 w.bits("output"), codes("output")))
+            head = lambda: w.rows("output") if dev.type == "cpu" else w["output"].to(dev)  # noqa: E731
+            self.output = w.linear("output", lambda: make_linear(head, None, dtype, quant, w.bits("output"),
+                                                                 codes("output")))
             self.embed = w.linear("token_embd", table)
         if self.embed.out_features != args.vocab_size:
             raise ModelError(f"token_embd has {self.embed.out_features} rows, config says vocab {args.vocab_size}")

@@ -28,8 +28,10 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     finished entry."""
 
     def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]], source_bytes: dict[str, int],
-                 numel: dict[str, int], codes: dict[str, Callable[[], tuple]] | None = None):
+                 numel: dict[str, int], codes: dict[str, Callable[[], tuple]] | None = None,
+                 rows: dict[str, Rows] | None = None):
         self._loaders = loaders
+        self._rows = rows or {}
         self.source_bytes = source_bytes  # bytes each tensor occupies in the file (for bandwidth accounting)
         self._numel = numel
         # int4 codes taken from the file without dequantizing (GGUF Q4_0 / Q4_1 / Q4_K): name -> () -> (q, scale,
@@ -61,6 +63,11 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         parts = [self._codes[n]() for n in names]
         return tuple(torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
 
+    def rows(self, name: str) -> Rows | torch.Tensor:
+        """A matrix to be requantized by rows (quant.Int8Linear / Int4Linear): read a range of rows at a time where
+        the reader can (Rows), else the whole tensor."""
+        return self._rows.get(name) or self[name]
+
     def raw(self, name: str) -> torch.Tensor:
         t = self[name]
         if self.recorder is not None:
@@ -71,7 +78,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         t = make()
         if self.recorder is not None:
             self.recorder.add(f"table.{key}", t)
-            return t[:0]
+            return _hollow(t)
         return t
 
     def linear(self, key: str, make):
@@ -84,7 +91,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
                 self.recorder.add(f"lin.{key}.{name}", t)
             self.linears[key] = {"class": type(lin).__name__, "attrs": attrs}
             for name in tensors:  # the scaffold keeps no weights: the loader maps the entry instead
-                setattr(lin, name, getattr(lin, name)[:0])
+                setattr(lin, name, _hollow(getattr(lin, name)))
         return lin
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -98,6 +105,32 @@ class LazyWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._loaders)
+
+
+def _hollow(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of t's dtype and trailing shape, sharing nothing with it (t[:0] would keep t's whole storage
+    alive: a first load of an 8B file held every converted layer until the end, peak 6.4 GB for a 4.7 GB model,
+    docs/results/first-load-rows-1206.txt)."""
+    return t.new_empty((0, *t.shape[1:]))
+
+
+class Rows:
+    """A 2-D source tensor read a range of rows at a time (`rows[a:b]`, f32), for the layers that requantize a matrix
+    by rows: the whole matrix never exists in f32. A vocabulary-sized table is the largest tensor of most models
+    (Gemma 3: 262k x 640, 671 MB in f32, and gguf-py's dequantization takes as much again in temporaries; a first
+    load peaked at 1.88 GB for a 241 MB file, docs/results/first-load-rows-1206.txt)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, shape: tuple[int, int], read: Callable[[int, int], torch.Tensor]):
+        self.shape = torch.Size(shape)
+        self._read = read
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise IndexError("Rows reads contiguous ranges only")
+        return self._read(start, stop)
 
 
 class CachedWeights(Mapping[str, torch.Tensor]):
@@ -128,6 +161,9 @@ class CachedWeights(Mapping[str, torch.Tensor]):
 
     def raw(self, name: str) -> torch.Tensor:
         return self._get(f"raw.{name}")
+
+    def rows(self, name: str) -> torch.Tensor:
+        return self[name]
 
     def table(self, key: str, make) -> torch.Tensor:
         return self._get(f"table.{key}")

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError, yarn_mscale
-from . import LazyWeights, LoadedModel, rope_layout, unpermute_rotary
+from . import LazyWeights, LoadedModel, Rows, rope_layout, unpermute_rotary
 
 GGUF_MAGIC = b"GGUF"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -302,6 +302,21 @@ def read_gguf(path: Path) -> LoadedModel:
 
         return load
 
+    def row_loader(t, shape: tuple[int, int]) -> Rows:
+        """The matrix by ranges of rows (only the bytes of those rows are read and dequantized); its file pages are
+        released once the last row is read."""
+        qtype = GGMLQuantizationType(t.tensor_type)
+
+        def read(a: int, b: int) -> torch.Tensor:
+            data = t.data[a:b]
+            arr = np.asarray(data) if qtype == GGMLQuantizationType.F32 else dequantize(data, qtype)
+            w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(b - a, shape[1]))
+            if b == shape[0]:
+                release(t)
+            return w
+
+        return Rows(shape, read)
+
     def code_loader(t, name: str, expert: int | None = None):
         def load() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             data = t.data if expert is None else t.data[expert]
@@ -312,7 +327,7 @@ def read_gguf(path: Path) -> LoadedModel:
 
         return load
 
-    loaders, nbytes, numel, codes, shapes = {}, {}, {}, {}, {}
+    loaders, nbytes, numel, codes, shapes, rows = {}, {}, {}, {}, {}, {}
     for name, t in tensors.items():
         if name == "rope_freqs":
             continue  # folded into args.rope_scaling
@@ -330,6 +345,8 @@ def read_gguf(path: Path) -> LoadedModel:
             continue
         shapes[name] = shape
         loaders[name] = loader(t, name)
+        if name in ("token_embd", "output") and len(shape) == 2:  # never permuted (rope_layout leaves them)
+            rows[name] = row_loader(t, shape)
         if int4 and len(t.shape) == 2:
             codes[name] = code_loader(t, name)
         nbytes[name] = int(t.n_bytes)
@@ -341,7 +358,7 @@ def read_gguf(path: Path) -> LoadedModel:
     types = collections.Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) == 2)
     main_type = types.most_common(1)[0][0] if types else "F32"
     mixed = "" if len(types) <= 1 else " (mixed: " + ", ".join(f"{k} x{v}" for k, v in types.most_common()) + ")"
-    return LoadedModel(args, LazyWeights(loaders, nbytes, numel, codes), path, f"GGUF {main_type}{mixed}",
+    return LoadedModel(args, LazyWeights(loaders, nbytes, numel, codes, rows), path, f"GGUF {main_type}{mixed}",
                        extra={"meta": meta})
 
 

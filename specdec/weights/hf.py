@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError, yarn_mscale
-from . import LazyWeights, LoadedModel, rope_layout
+from . import LazyWeights, LoadedModel, Rows, rope_layout
 from .gguf import brief, check_model
 
 # HF per-layer names -> canonical (GGUF-style) names; Gemma's post_attention_layernorm differs, see _layer_map
@@ -329,7 +329,15 @@ def read_hf(folder: Path) -> LoadedModel:
 
         return load
 
-    loaders, nbytes, numel, dtypes = {}, {}, {}, set()
+    def row_loader(hf_name: str, shard: str, shape: tuple[int, int]) -> Rows:
+        def read(a: int, b: int) -> torch.Tensor:  # only rows [a, b) are read and widened to f32
+            if shard not in handles:
+                handles[shard] = safe_open(folder / shard, framework="pt")
+            return handles[shard].get_slice(hf_name)[a:b].float()
+
+        return Rows(shape, read)
+
+    loaders, nbytes, numel, dtypes, rows = {}, {}, {}, set(), {}
     for hf_name, shard in weight_map.items():
         name = canonical_name(hf_name, gemma, args.n_layers)
         if name is not None:
@@ -345,6 +353,8 @@ def read_hf(folder: Path) -> LoadedModel:
                     loaders[name], shapes[name], numel[name] = load, shape, math.prod(shape)
                     nbytes[name] = numel[name] * size
                 name = canonical_name(k, gemma, args.n_layers)
+                if name in ("token_embd", "output") and len(sl.get_shape()) == 2:  # never permuted
+                    rows[name] = row_loader(k, shard, tuple(sl.get_shape()))
                 if name is not None:
                     shapes[name] = tuple(sl.get_shape())
                     numel[name] = math.prod(sl.get_shape())
@@ -356,5 +366,6 @@ def read_hf(folder: Path) -> LoadedModel:
     args.n_mtp_layers = sum(f"mtp.{i}.eh_proj" in loaders for i in range(max(args.n_mtp_layers, 0)))
     mimo = any(k.startswith("model.mtp_layers.") for k in weight_map)
     args.mtp_layout = ("mimo" if mimo else "deepseek") if args.n_mtp_layers else None
-    return LoadedModel(args, LazyWeights(loaders, nbytes, numel), folder, "safetensors " + "/".join(sorted(dtypes)),
+    kinds = "/".join(sorted(dtypes))
+    return LoadedModel(args, LazyWeights(loaders, nbytes, numel, rows=rows), folder, f"safetensors {kinds}",
                        extra={"config": cfg})
