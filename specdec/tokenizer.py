@@ -214,7 +214,9 @@ def _convert_gguf_tokenizer(path: Path, folder: Path) -> Path:
         # tokenizer built is the same (tests/test_tokenizer.py::test_conversion_equals_auto)
         tok = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # transformers raises many kinds here; all mean "this vocabulary can't be converted"
-        raise ModelError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {str(e)[:200]}") from e
+        why = " ".join(str(e).split())[:200]
+        raise ModelError(f"cannot read the tokenizer of {path} ({type(e).__name__}: {why}): give a GGUF that carries "
+                         "its vocabulary, or a Hugging Face folder with its tokenizer.json") from e
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent))

@@ -158,3 +158,16 @@ def test_compact_json_is_the_same_tokenizer(tmp_path, space):
     again = FastTokenizer.from_file(str(path))
     assert again.to_str() == tok.to_str()
     assert again.encode(first + "ab" + "ab").ids == tok.encode(first + "ab" + "ab").ids == [5, 2]
+
+
+def test_gguf_without_vocabulary_is_one_line(tmp_path, monkeypatch):
+    """A GGUF that carries no vocabulary (tokenizer.ggml.model "none") fails in one line that says what to give."""
+    from tiny_models import write_gguf
+
+    from specdec.config import ModelError
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    path = write_gguf("llama", tmp_path / "m.gguf", tokenizer=False)
+    with pytest.raises(ModelError, match="cannot read the tokenizer of .*'none'.*give a GGUF that carries its vocab"):
+        load_tokenizer(path)
+    assert not list((tmp_path / "cache").rglob("tokenizer.json"))  # nothing half-written is cached
