@@ -1,9 +1,9 @@
 """Tokenizer and chat template, from a GGUF file's metadata or a Hugging Face folder's tokenizer.json.
 
 A GGUF carries its vocabulary as metadata. Hugging Face transformers already knows how to turn that into a
-`tokenizers` tokenizer (``TokenizersBackend.from_pretrained(dir, gguf_file=...)``), so we let it do the conversion once
-and cache the result as a tokenizer.json (the conversion of a 262k-token Gemma vocabulary takes ~4 s; loading the
-cached file takes ~1 s). At run time only the fast `tokenizers` library and jinja2 are used, so encoding is
+`tokenizers` tokenizer (``PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=...)``), so we let it do the
+conversion once and cache the result as a tokenizer.json (the conversion of a 262k-token Gemma vocabulary takes ~4 s;
+loading the cached file takes ~1 s). At run time only the fast `tokenizers` library and jinja2 are used, so encoding is
 Hugging Face's token for token, and chat templates render as transformers renders them.
 """
 
@@ -202,7 +202,7 @@ def _convert_gguf_tokenizer(path: Path, folder: Path) -> Path:
     import tempfile
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import TokenizersBackend
+    from transformers import PreTrainedTokenizerFast  # TokenizersBackend in transformers 5, the same class
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -212,7 +212,7 @@ def _convert_gguf_tokenizer(path: Path, folder: Path) -> Path:
         # (a second full parse of the vocabulary, 20 s of Gemma 3's 24 s, docs/results/tokenizer-convert-1206b.txt)
         # only to pick a class, and fails on architectures transformers cannot load (deepseek2, glm4moe); the
         # tokenizer built is the same (tests/test_tokenizer.py::test_conversion_equals_auto)
-        tok = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # transformers raises many kinds here; all mean "this vocabulary can't be converted"
         why = " ".join(str(e).split())[:200]
         raise ModelError(f"cannot read the tokenizer of {path} ({type(e).__name__}: {why}): give a GGUF that carries "
