@@ -286,16 +286,19 @@ def read_gguf(path: Path) -> LoadedModel:
             return unpermute_rotary(w, args.n_kv_heads)
         return w
 
+    def as_f32(t, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+        """Some of tensor t's bytes (all, an expert's, a range of rows), dequantized: a writable f32 tensor."""
+        qtype = GGMLQuantizationType(t.tensor_type)
+        arr = np.asarray(data) if qtype == GGMLQuantizationType.F32 else dequantize(data, qtype)
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        return torch.from_numpy(arr if arr.flags.writeable else arr.copy()).reshape(shape)
+
     def loader(t, name: str, expert: int | None = None):
         """expert: one expert's [N, K] slice of a stacked [E, N, K] tensor (only its bytes are read)."""
 
         def load() -> torch.Tensor:
-            qtype = GGMLQuantizationType(t.tensor_type)
             data = t.data if expert is None else t.data[expert]
-            arr = np.asarray(data) if qtype == GGMLQuantizationType.F32 else dequantize(data, qtype)
-            shape = tuple(int(s) for s in reversed(t.shape))[0 if expert is None else 1:]
-            arr = np.ascontiguousarray(arr, dtype=np.float32)
-            w = torch.from_numpy(arr if arr.flags.writeable else arr.copy()).reshape(shape)
+            w = as_f32(t, data, tuple(int(s) for s in reversed(t.shape))[0 if expert is None else 1:])
             if expert is None or expert == t.shape[-1] - 1:
                 release(t)
             return rope_layout(args, name, permuted(w, name))
@@ -305,12 +308,9 @@ def read_gguf(path: Path) -> LoadedModel:
     def row_loader(t, shape: tuple[int, int]) -> Rows:
         """The matrix by ranges of rows (only the bytes of those rows are read and dequantized); its file pages are
         released once the last row is read."""
-        qtype = GGMLQuantizationType(t.tensor_type)
 
         def read(a: int, b: int) -> torch.Tensor:
-            data = t.data[a:b]
-            arr = np.asarray(data) if qtype == GGMLQuantizationType.F32 else dequantize(data, qtype)
-            w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(b - a, shape[1]))
+            w = as_f32(t, t.data[a:b], (b - a, shape[1]))
             if b == shape[0]:
                 release(t)
             return w
