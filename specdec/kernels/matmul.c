@@ -88,12 +88,13 @@
 #if AMX_MIN_ROWS < 10
 #error "AMX_CASES below instantiates tile heights 10..16 only"
 #endif
-#else /* AVX2: 16 vector registers, not 32; int8 keeps two accumulators per row (docs/results/avx2-matmul.txt) */
+#else /* AVX2: 16 vector registers, not 32; both halves of a block a pass, int8 keeps two accumulators per row
+         (docs/results/avx2-matmul.txt; 4 and 3 rows: docs/results/avx2-onepass-1206.txt) */
 #define ROWS4 AVX2_ROWS4
 #define ROWS8 AVX2_ROWS8
 #endif
 #ifndef AVX2_ROWS4
-#define AVX2_ROWS4 6
+#define AVX2_ROWS4 4
 #endif
 #ifndef AVX2_ROWS8
 #define AVX2_ROWS8 3
@@ -455,91 +456,102 @@ static inline __m256i bcast4(const int8_t *q) {
     return _mm256_set1_epi32(b);
 }
 
-/* block_int4 of the AVX-512 path (see there) for rows [t0, t0 + nt), nt <= ROWS4: per half of the block, the
-   scale term over every group (one VPMADDWD per row and group: the s16 sums of a group's 4 x 2 instructions), then
-   the minimum term (its own chain in both paths, so the same sums). Inlined with nt a constant (block_int4 below):
-   with nt known the row loops unroll and every accumulator stays in one of AVX2's 16 registers; with nt a variable
-   GCC 12 kept them on the stack (a load and a store around every add) and branched on nt in the inner loop. */
+/* block_int4 of the AVX-512 path (see there) for rows [t0, t0 + nt), nt <= ROWS4: the scale term over every group
+   (one VPMADDWD per row, group and half of the block: the s16 sums of a group's 4 x 2 instructions), then the minimum
+   term (its own chain in both paths, so the same sums). Both halves of the block (8 lanes each) in one pass over its
+   codes, each 64-byte line used whole when it arrives: a pass per half read the codes from memory in the first and
+   from L2 in the second, with the memory bus idle meanwhile (on Zen 2, 8B-shaped products at T = 1 18-19 -> 23-26
+   GB/s, docs/results/avx2-onepass-1206.txt). Inlined with nt a constant (block_int4 below): with nt known the row
+   loops unroll and the accumulators stay in registers; with nt a variable GCC 12 kept them on the stack (a load and
+   a store around every add) and branched on nt in the inner loop. */
 static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w, const uint16_t *s, const uint16_t *z,
                                                                int G, const int8_t *qx, const float *d,
                                                                const float *ds, int K, int t0, const int nt,
                                                                float *acc_out) {
     const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        __m256 y[ROWS4], ym[ROWS4];
-        for (int r = 0; r < ROWS4; r++) y[r] = ym[r] = _mm256_setzero_ps();
-        for (int g = 0; g < G; g++) {
-            const uint8_t *wg = w + (long)g * 256 + 32 * h;
+    __m256 y[2][ROWS4], ym[2][ROWS4];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < ROWS4; r++) y[h][r] = ym[h][r] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *wg = w + (long)g * 256;
 #if PREFETCH
-            if (h == 0)
-                for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wg + PREFETCH + 64 * j), _MM_HINT_T0);
+        for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wg + PREFETCH + 64 * j), _MM_HINT_T0);
 #endif
-            __m256i a[ROWS4];
-            for (int r = 0; r < ROWS4; r++) a[r] = _mm256_setzero_si256();
-            _Pragma("GCC unroll 1") /* unrolled, GCC 12 hoisted the 4 steps' loads and spilled: ~1.2x slower */
-            for (int j = 0; j < 4; j++) {
-                __m256i p = _mm256_loadu_si256((const __m256i *)(wg + 64 * j));
+        __m256i a[2][ROWS4];
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < ROWS4; r++) a[h][r] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 1") /* unrolled, GCC 12 hoisted the 4 steps' loads and spilled: ~1.2x slower */
+        for (int j = 0; j < 4; j++)
+            for (int h = 0; h < 2; h++) {
+                __m256i p = _mm256_loadu_si256((const __m256i *)(wg + 64 * j + 32 * h));
                 __m256i u0 = _mm256_and_si256(p, lo), u1 = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo);
                 for (int r = 0; r < nt; r++) {
                     const int8_t *q = qx + (long)(t0 + r) * K + (long)g * GROUP + 8 * j;
-                    a[r] = _mm256_add_epi16(a[r], _mm256_add_epi16(_mm256_maddubs_epi16(u0, bcast4(q)),
-                                                                   _mm256_maddubs_epi16(u1, bcast4(q + 4))));
+                    a[h][r] = _mm256_add_epi16(a[h][r], _mm256_add_epi16(_mm256_maddubs_epi16(u0, bcast4(q)),
+                                                                         _mm256_maddubs_epi16(u1, bcast4(q + 4))));
                 }
             }
+        for (int h = 0; h < 2; h++) {
             __m256 sg = load_bf16x8(s + (long)g * LANES + 8 * h);
             for (int r = 0; r < nt; r++) {
-                __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[r], ones));
-                y[r] = _mm256_fmadd_ps(_mm256_mul_ps(sg, _mm256_set1_ps(d[(long)(t0 + r) * G + g])), dot, y[r]);
+                __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[h][r], ones));
+                y[h][r] = _mm256_fmadd_ps(_mm256_mul_ps(sg, _mm256_set1_ps(d[(long)(t0 + r) * G + g])), dot, y[h][r]);
             }
         }
-        for (int g = 0; g < G; g++) {
+    }
+    for (int g = 0; g < G; g++)
+        for (int h = 0; h < 2; h++) {
             __m256 sg = load_bf16x8(s + (long)g * LANES + 8 * h);
             __m256 mg = z ? _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sg, load_bf16x8(z + (long)g * LANES + 8 * h))
                           : _mm256_mul_ps(_mm256_set1_ps(-8.0f), sg);
             for (int r = 0; r < nt; r++)
-                ym[r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
+                ym[h][r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(ds[(long)(t0 + r) * G + g]), ym[h][r]);
         }
-        for (int r = 0; r < nt; r++) _mm256_storeu_ps(acc_out + r * LANES + 8 * h, _mm256_add_ps(y[r], ym[r]));
-    }
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < nt; r++)
+            _mm256_storeu_ps(acc_out + r * LANES + 8 * h, _mm256_add_ps(y[h][r], ym[h][r]));
 }
 
-/* block_int8 of the AVX-512 path for rows [t0, t0 + nt), nt <= ROWS8: each code u = 16 hi + lo (inlined with nt a
-   constant, as block_int4_n) */
+/* block_int8 of the AVX-512 path for rows [t0, t0 + nt), nt <= ROWS8: each code u = 16 hi + lo; both halves in one
+   pass and inlined with nt a constant, as block_int4_n */
 static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w, const uint16_t *s, int G,
                                                                const int8_t *qx, const float *d, const float *c,
                                                                int K, int t0, const int nt, float *acc_out) {
     const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        __m256 y[ROWS8];
-        for (int r = 0; r < ROWS8; r++) y[r] = _mm256_setzero_ps();
-        for (int g = 0; g < G; g++) {
-            const uint8_t *wg = w + (long)g * 512 + 32 * h;
+    __m256 y[2][ROWS8];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < ROWS8; r++) y[h][r] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *wg = w + (long)g * 512;
 #if PREFETCH
-            if (h == 0)
-                for (int j = 0; j < 8; j++) _mm_prefetch((const char *)(wg + 2 * PREFETCH + 64 * j), _MM_HINT_T0);
+        for (int j = 0; j < 8; j++) _mm_prefetch((const char *)(wg + 2 * PREFETCH + 64 * j), _MM_HINT_T0);
 #endif
-            __m256i ah[ROWS8], al[ROWS8];
-            for (int r = 0; r < ROWS8; r++) ah[r] = al[r] = _mm256_setzero_si256();
-            _Pragma("GCC unroll 2") /* as block_int4_n; 2 steps at a time measured ~5% faster than 1 */
-            for (int i = 0; i < 8; i++) {
-                __m256i p = _mm256_loadu_si256((const __m256i *)(wg + 64 * i));
+        __m256i ah[2][ROWS8], al[2][ROWS8];
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < ROWS8; r++) ah[h][r] = al[h][r] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 2") /* as block_int4_n; 2 steps at a time measured ~5% faster than 1 */
+        for (int i = 0; i < 8; i++)
+            for (int h = 0; h < 2; h++) {
+                __m256i p = _mm256_loadu_si256((const __m256i *)(wg + 64 * i + 32 * h));
                 __m256i ul = _mm256_and_si256(p, lo), uh = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo);
                 for (int r = 0; r < nt; r++) {
                     __m256i b = bcast4(qx + (long)(t0 + r) * K + (long)g * GROUP + 4 * i);
-                    ah[r] = _mm256_add_epi16(ah[r], _mm256_maddubs_epi16(uh, b));
-                    al[r] = _mm256_add_epi16(al[r], _mm256_maddubs_epi16(ul, b));
+                    ah[h][r] = _mm256_add_epi16(ah[h][r], _mm256_maddubs_epi16(uh, b));
+                    al[h][r] = _mm256_add_epi16(al[h][r], _mm256_maddubs_epi16(ul, b));
                 }
             }
+        for (int h = 0; h < 2; h++)
             for (int r = 0; r < nt; r++) {
-                __m256i a = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(ah[r], ones), 4),
-                                             _mm256_madd_epi16(al[r], ones));
-                y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(d[(long)(t0 + r) * G + g]), y[r]);
+                __m256i a = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(ah[h][r], ones), 4),
+                                             _mm256_madd_epi16(al[h][r], ones));
+                y[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(d[(long)(t0 + r) * G + g]), y[h][r]);
             }
-        }
+    }
+    for (int h = 0; h < 2; h++) {
         __m256 sr = load_bf16x8(s + 8 * h);
         for (int r = 0; r < nt; r++)
             _mm256_storeu_ps(acc_out + r * LANES + 8 * h,
-                             _mm256_mul_ps(_mm256_sub_ps(y[r], _mm256_set1_ps(c[t0 + r])), sr));
+                             _mm256_mul_ps(_mm256_sub_ps(y[h][r], _mm256_set1_ps(c[t0 + r])), sr));
     }
 }
 
