@@ -66,3 +66,30 @@ def test_tables_read_by_rows(qtype, tmp_path):
     if qtype == "F32":
         folder = write_hf("llama", tmp_path / "hf", dtype=torch.bfloat16, tied=False, tokenizer=False)
         same_by_rows(read_model(folder).weights)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_dequantized_as_gguf_py_dequantizes(qtype):
+    """specdec dequantizes Q4_K / Q6_K / Q8_0 in PyTorch (weights.gguf.TORCH_DEQUANT), the rest with gguf-py: either
+    way the floats are gguf-py's, bit for bit, on blocks of random bytes (every code, scale and sign pattern; the
+    f16 factors kept finite). The int4 codes read from Q4_0 / Q4_1 / Q4_K give the same weights as (q - 8) scale +
+    zero, to f32 rounding."""
+    from specdec.weights.gguf import INT4_CODES, dequantize_f32, int4_codes
+
+    q = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[q]
+    g = np.random.default_rng(0)
+    rows, cols = 48, 2 * 256
+    data = g.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    f16 = (g.standard_normal((rows, cols // block, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    at = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,)}[qtype]
+    blocks = data.reshape(rows, -1, size)
+    for i, a in enumerate(at):  # d (and dmin / m) at their byte offsets in each block
+        blocks[:, :, a:a + 2] = f16[..., 2 * i:2 * i + 2]
+    ref = torch.from_numpy(gguf.dequantize(data, q).astype(np.float32)).reshape(rows, cols)
+    assert torch.equal(dequantize_f32(data, q, (rows, cols)), ref)
+    if qtype in INT4_CODES:
+        codes, scale, zero = int4_codes(data, q)
+        assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+        w = ((codes.float() - 8).reshape(rows, -1, 32) * scale[..., None] + zero[..., None]).reshape(rows, cols)
+        torch.testing.assert_close(w, ref, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
-"""GGUF files as llama.cpp writes them, parsed and dequantized by the `gguf` package.
+"""GGUF files as llama.cpp writes them: the header walked by specdec (GGUFFile), the tensors dequantized in PyTorch
+(Q4_K, Q6_K, Q8_0: TORCH_DEQUANT) or by the `gguf` package (the other types).
 
 Metadata keys and tensor names are llama.cpp's (``{arch}.block_count``, ``blk.N.attn_q.weight`` ...). Two conversions
 made by llama.cpp's convert_hf_to_gguf.py are undone here so the model sees Hugging Face's conventions: the q/k
@@ -243,7 +244,7 @@ def _check_header(path: Path) -> tuple[dict, list[tuple[str, tuple[int, ...], in
 
 def read_gguf(path: Path) -> LoadedModel:
     """Read the config from GGUF metadata and return lazily dequantized tensors under canonical names."""
-    from gguf import GGMLQuantizationType, dequantize
+    from gguf import GGMLQuantizationType
 
     reader = _open(path)
     meta = reader.meta
@@ -286,19 +287,13 @@ def read_gguf(path: Path) -> LoadedModel:
             return unpermute_rotary(w, args.n_kv_heads)
         return w
 
-    def as_f32(t, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-        """Some of tensor t's bytes (all, an expert's, a range of rows), dequantized: a writable f32 tensor."""
-        qtype = GGMLQuantizationType(t.tensor_type)
-        arr = np.asarray(data) if qtype == GGMLQuantizationType.F32 else dequantize(data, qtype)
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        return torch.from_numpy(arr if arr.flags.writeable else arr.copy()).reshape(shape)
-
     def loader(t, name: str, expert: int | None = None):
         """expert: one expert's [N, K] slice of a stacked [E, N, K] tensor (only its bytes are read)."""
 
         def load() -> torch.Tensor:
             data = t.data if expert is None else t.data[expert]
-            w = as_f32(t, data, tuple(int(s) for s in reversed(t.shape))[0 if expert is None else 1:])
+            shape = tuple(int(s) for s in reversed(t.shape))[0 if expert is None else 1:]
+            w = dequantize_f32(data, GGMLQuantizationType(t.tensor_type), shape)
             if expert is None or expert == t.shape[-1] - 1:
                 release(t)
             return rope_layout(args, name, permuted(w, name))
@@ -310,7 +305,7 @@ def read_gguf(path: Path) -> LoadedModel:
         released once the last row is read."""
 
         def read(a: int, b: int) -> torch.Tensor:
-            w = as_f32(t, t.data[a:b], (b - a, shape[1]))
+            w = dequantize_f32(t.data[a:b], GGMLQuantizationType(t.tensor_type), (b - a, shape[1]))
             if b == shape[0]:
                 release(t)
             return w
@@ -434,36 +429,88 @@ def check_model(args: ModelArgs, shapes: Mapping[str, tuple[int, ...]], where: s
 INT4_CODES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit formats whose codes our int4 layout holds as they are
 
 
+def _bytes(blocks: np.ndarray, block_bytes: int) -> torch.Tensor:
+    """A tensor's quantized bytes (read-only file pages) as a writable uint8 tensor [blocks, block_bytes]."""
+    return torch.from_numpy(np.array(blocks, dtype=np.uint8, copy=True)).reshape(-1, block_bytes)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 little-endian float16 -> [...] float32."""
+    return b.contiguous().view(torch.float16)[..., 0].float()
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks [n, 210] (ql: low nibbles, qh: 2 high bits, 16 int8 scales, f16 d) -> [n, 256] f32 as
+    gguf-py's Q6_K.dequantize_blocks computes them ((d scale) q, q = ql | qh << 4 - 32), bit for bit."""
+    n = b.shape[0]
+    scale = (_f16(b[:, 208:210])[:, None] * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, 16, 1)
+    ql = b[:, :128].reshape(n, 2, 1, 64)
+    lo = torch.cat([ql & 15, ql >> 4], dim=2).reshape(n, 8, 32)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)
+    hi = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 8, 32)
+    q = (lo | (hi << 4)).view(torch.int8) - 32
+    return (scale * q.reshape(n, 16, 16).float()).reshape(n, 256)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks [n, 34] (f16 d, 32 int8) -> [n, 32] f32, x d as gguf-py computes it."""
+    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])[:, None]
+
+
+def _q4_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks [n, 144] (f16 d, dmin; 8 6-bit scales and minimums in 12 bytes, as llama.cpp's
+    get_scale_min_k4 reads them; 128 bytes of nibbles) -> codes [n, 8, 32] uint8, d sc and dmin mn [n, 8] f32: the
+    sub-block of 32 j holds w = (d sc_j) q - dmin mn_j. Elements 64 i .. 64 i + 31 are the low nibbles of bytes
+    32 i .. 32 i + 31, the next 32 their high nibbles."""
+    d, dmin = _f16(b[:, :2])[:, None], _f16(b[:, 2:4])[:, None]
+    s = b[:, 4:16].reshape(-1, 3, 4)
+    sc = torch.cat([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([s[:, 1] & 0x3F, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 0x30)], dim=-1)
+    qs = b[:, 16:].reshape(-1, 4, 1, 32)
+    return torch.cat([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32), d * sc.float(), dmin * mn.float()
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    """Q4_K super-blocks [n, 144] -> [n, 256] f32, (d sc) q - dmin mn as gguf-py computes them."""
+    q, scale, dm = _q4_k_parts(b)
+    return (scale[..., None] * q.float() - dm[..., None]).reshape(-1, 256)
+
+
+# formats dequantized in PyTorch (vectorized and threaded: 2.5-3x gguf-py's NumPy on 2 cores, the same floats;
+# docs/results/first-load-torch-1206.txt); the others by gguf-py
+TORCH_DEQUANT = {"Q4_K": (144, 256, _q4_k), "Q6_K": (210, 256, _q6_k), "Q8_0": (34, 32, _q8_0)}
+
+
+def dequantize_f32(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's bytes (all, an expert's, a range of rows) dequantized: a writable f32 tensor of `shape`."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    if qtype.name in TORCH_DEQUANT:
+        block_bytes, _, f = TORCH_DEQUANT[qtype.name]
+        return f(_bytes(data, block_bytes)).reshape(shape)
+    arr = np.asarray(data) if qtype == GGMLQuantizationType.F32 else dequantize(data, qtype)
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy()).reshape(shape)
+
+
 def int4_codes(blocks: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q4_0 / Q4_1 / Q4_K tensor's own codes and per-32 scales, without dequantizing: blocks [N, bytes per row]
     -> (q [N, K] uint8 in 0..15, scale [N, K/32], zero [N, K/32] f32) with w = (q - 8) scale + zero.
 
     Q4_0: w = d (q - 8); Q4_1: w = d q + m; Q4_K: super-blocks of 256 with 8 sub-blocks of 32, w = d sc q - dmin mn
-    (6-bit sc, mn; llama.cpp's get_scale_min_k4, here gguf-py's Q4_K.get_scale_min). Nibble order: Q4_0 / Q4_1 keep
+    (6-bit sc, mn packed in 12 bytes as llama.cpp's get_scale_min_k4 reads them). Nibble order: Q4_0 / Q4_1 keep
     element j in the low nibble of byte j and j + 16 in the high one; Q4_K does so per 64 elements (32 bytes)."""
-    from gguf.quants import Q4_K
-
     name = qtype.name
     N = blocks.shape[0]
     if name in ("Q4_0", "Q4_1"):
-        b = blocks.reshape(N, -1, 18 if name == "Q4_0" else 20)
-        f16 = lambda x: x.copy().view(np.float16).astype(np.float32)[..., 0]  # noqa: E731
-        d = f16(b[..., :2])  # [N, G]
+        b = _bytes(blocks, 18 if name == "Q4_0" else 20).reshape(N, -1, 18 if name == "Q4_0" else 20)
+        d = _f16(b[..., :2])  # [N, G]
         qs = b[..., 2 if name == "Q4_0" else 4:]  # [N, G, 16]
-        zero = np.zeros_like(d) if name == "Q4_0" else f16(b[..., 2:4]) + 8 * d
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, G, 32]
-        return torch.from_numpy(q.reshape(N, -1)), torch.from_numpy(d), torch.from_numpy(zero)
+        zero = torch.zeros_like(d) if name == "Q4_0" else _f16(b[..., 2:4]) + 8 * d
+        return torch.cat([qs & 15, qs >> 4], dim=-1).reshape(N, -1), d, zero
     if name == "Q4_K":
-        b = blocks.reshape(-1, 144)  # every super-block of every row
-        d = b[:, :2].copy().view(np.float16).astype(np.float32)
-        dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-        sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())
-        scale = d * sc.astype(np.float32)  # [blocks, 8]
-        zero = 8 * scale - dmin * mn.astype(np.float32)
-        qs = b[:, 16:].reshape(-1, 4, 1, 32)
-        q = np.concatenate([qs & 15, qs >> 4], axis=2)  # [blocks, 4, 2, 32]: 64 elements per 32 bytes
-        return (torch.from_numpy(q.reshape(N, -1)), torch.from_numpy(scale.reshape(N, -1)),
-                torch.from_numpy(zero.reshape(N, -1)))
+        q, scale, dm = _q4_k_parts(_bytes(blocks, 144))  # every super-block of every row
+        return q.reshape(N, -1), scale.reshape(N, -1), (8 * scale - dm).reshape(N, -1)
     raise ValueError(name)
 
 
