@@ -460,7 +460,7 @@ static inline __m256i bcast4(const int8_t *q) {
    (one VPMADDWD per row, group and half of the block: the s16 sums of a group's 4 x 2 instructions), then the minimum
    term (its own chain in both paths, so the same sums). Both halves of the block (8 lanes each) in one pass over its
    codes, each 64-byte line used whole when it arrives: a pass per half read the codes from memory in the first and
-   from L2 in the second, with the memory bus idle meanwhile (on Zen 2, 8B-shaped products at T = 1 18-19 -> 23-26
+   from L2 in the second, with the memory bus idle meanwhile (on Zen 2, 8B-shaped products at T = 1 17-20 -> 22-26
    GB/s, docs/results/avx2-onepass-1206.txt). Inlined with nt a constant (block_int4 below): with nt known the row
    loops unroll and the accumulators stay in registers; with nt a variable GCC 12 kept them on the stack (a load and
    a store around every add) and branched on nt in the inner loop. */
