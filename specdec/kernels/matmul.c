@@ -88,16 +88,20 @@
 #if AMX_MIN_ROWS < 10
 #error "AMX_CASES below instantiates tile heights 10..16 only"
 #endif
-#else /* AVX2: 16 vector registers, not 32; both halves of a block a pass, int8 keeps two accumulators per row
-         (docs/results/avx2-matmul.txt; 4 and 3 rows: docs/results/avx2-onepass-1206.txt) */
+#else /* AVX2: 16 vector registers, not 32; both halves of a block a pass, int8 keeps two accumulators per row, int4's
+         minimum term fused up to 3 rows (docs/results/avx2-matmul.txt; docs/results/avx2-onepass-1206.txt) */
 #define ROWS4 AVX2_ROWS4
 #define ROWS8 AVX2_ROWS8
+#define YM_FUSED_MAX AVX2_YM_FUSED_MAX
 #endif
 #ifndef AVX2_ROWS4
 #define AVX2_ROWS4 4
 #endif
 #ifndef AVX2_ROWS8
 #define AVX2_ROWS8 3
+#endif
+#ifndef AVX2_YM_FUSED_MAX
+#define AVX2_YM_FUSED_MAX 3
 #endif
 #ifndef PREFETCH /* bytes of int4 codes (twice that of int8) fetched ahead into L1; 0: none */
 #if HAVE_VNNI
@@ -457,8 +461,9 @@ static inline __m256i bcast4(const int8_t *q) {
 }
 
 /* block_int4 of the AVX-512 path (see there) for rows [t0, t0 + nt), nt <= ROWS4: the scale term over every group
-   (one VPMADDWD per row, group and half of the block: the s16 sums of a group's 4 x 2 instructions), then the minimum
-   term (its own chain in both paths, so the same sums). Both halves of the block (8 lanes each) in one pass over its
+   (one VPMADDWD per row, group and half of the block: the s16 sums of a group's 4 x 2 instructions) and the minimum
+   term (its own chain in both paths, so the same sums), in the same loop up to YM_FUSED_MAX rows (T = 1-3 products
+   1.06-1.09x faster, beyond that spills; avx2-onepass-1206.txt), else after it. Both halves of the block (8 lanes each) in one pass over its
    codes, each 64-byte line used whole when it arrives: a pass per half read the codes from memory in the first and
    from L2 in the second, with the memory bus idle meanwhile (on Zen 2, 8B-shaped products at T = 1 17-20 -> 22-26
    GB/s, docs/results/avx2-onepass-1206.txt). Inlined with nt a constant (block_int4 below): with nt known the row
@@ -497,9 +502,15 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
                 __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[h][r], ones));
                 y[h][r] = _mm256_fmadd_ps(_mm256_mul_ps(sg, _mm256_set1_ps(d[(long)(t0 + r) * G + g])), dot, y[h][r]);
             }
+            if (nt <= YM_FUSED_MAX) { /* few rows: the minimum term's chain in this loop, its zeros read once */
+                __m256 mg = z ? _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sg, load_bf16x8(z + (long)g * LANES + 8 * h))
+                              : _mm256_mul_ps(_mm256_set1_ps(-8.0f), sg);
+                for (int r = 0; r < nt; r++)
+                    ym[h][r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(ds[(long)(t0 + r) * G + g]), ym[h][r]);
+            }
         }
     }
-    for (int g = 0; g < G; g++)
+    for (int g = 0; g < (nt <= YM_FUSED_MAX ? 0 : G); g++) /* more rows: the minimum term in a pass of its own */
         for (int h = 0; h < 2; h++) {
             __m256 sg = load_bf16x8(s + (long)g * LANES + 8 * h);
             __m256 mg = z ? _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sg, load_bf16x8(z + (long)g * LANES + 8 * h))
