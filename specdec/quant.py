@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .weights import Rows
 
 INT4_GROUP = 32
-CHUNK = 4096  # rows quantized at a time
+CHUNK = 4096  # rows an int4 requantization takes at a time (int8: ROWS8)
 ROWS8 = 256  # rows an int8 requantization takes at a time: its temporaries stay in cache (a 14336 x 4096 matrix in
              # 0.13 s, 0.25 s by 4096 rows with a temporary per operation; docs/results/first-load-torch-1206.txt)
 
