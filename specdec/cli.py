@@ -44,6 +44,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default="auto", help="weights: auto, none, int8, int4 (auto: a quantized GGUF stays "
                                                    "quantized on CPU, see README)")
     p.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
+    p.add_argument("--mmap", dest="use_mmap", action=argparse.BooleanOptionalAction, default=None,
+                   help="map the cached weights (--mmap) or read them into memory in 2 MB pages (--no-mmap: faster "
+                        "decoding, slower loading; default: read when they take at most 1 GiB)")
 
 
 def _sampling(p: argparse.ArgumentParser) -> None:

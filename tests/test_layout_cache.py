@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 from tiny_models import write_gguf
 
+from specdec.cache import anonymous_memory
 from specdec.loader import load
 from specdec.weights import layout
 
@@ -43,20 +45,66 @@ def entries(root: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
-def test_mapped_load_is_bitwise_the_conversion(cache, tmp_path, qtype):
+def test_cached_load_is_bitwise_the_conversion(cache, tmp_path, qtype):
     path = write_gguf("llama", tmp_path / "m.gguf", qtype=qtype, seed=3, tied=False, tensor_qtypes=MIX)
     fresh = load(path, ctx=64, cache=False)
     first = load(path, ctx=64)
     assert first.load_kind.startswith("first load") and len(entries(cache)) == 1
-    mapped = load(path, ctx=64)
-    assert mapped.load_kind == "mapped cached layout"
-    assert mapped.model.weight_format == fresh.model.weight_format
+    mapped = load(path, ctx=64, use_mmap=True)
+    read = load(path, ctx=64)  # a layout this small is read into memory by default
+    assert mapped.load_kind == "cached layout mapped" and read.load_kind == "cached layout read into memory"
+    assert mapped.model.weight_format == read.model.weight_format == fresh.model.weight_format
     ref = logits(fresh)
-    assert torch.equal(logits(first), ref) and torch.equal(logits(mapped), ref)
-    # the mapped model keeps no weights of its own: its tensors live in the entry file's pages
+    assert all(torch.equal(logits(m), ref) for m in (first, mapped, read))
+    # the mapped model keeps no weights of its own: its tensors live in the entry file's pages; the other one's in
+    # anonymous memory
     (entry,) = entries(cache)
-    for t in (mapped.model.layers[0].w13.weight, mapped.model.output.weight, mapped.model.embed.weight):
-        assert mapped_file(t.data_ptr()) == str(entry.resolve())
+    for m, where in ((mapped, str(entry.resolve())), (read, None)):
+        for t in (m.model.layers[0].w13.weight, m.model.output.weight, m.model.embed.weight):
+            assert mapped_file(t.data_ptr()) == where
+
+
+def test_entry_read_into_memory_is_a_copy(cache, tmp_path):
+    """read_entry(in_memory=True): the tensors are the entry's bytes, copied (rewriting the file leaves them as they
+    were) into anonymous memory."""
+    path = write_gguf("llama", tmp_path / "m.gguf", qtype="Q4_0", seed=5)
+    load(path, ctx=64)
+    (entry,) = entries(cache)
+    _, mapped = layout.read_entry(entry)
+    _, mem = layout.read_entry(entry, in_memory=True)
+    assert mapped.keys() == mem.keys() and all(torch.equal(mapped[k], mem[k]) for k in mem)
+    before = {k: t.clone() for k, t in mem.items()}
+    (n,) = struct.unpack("<Q", entry.read_bytes()[:8])
+    with open(entry, "r+b") as f:  # every data byte changed in place
+        f.seek(8 + n)
+        f.write(bytes(b ^ 0xFF for b in entry.read_bytes()[8 + n:]))
+    assert all(torch.equal(mem[k], before[k]) for k in mem)
+    assert mapped_file(mem["lin.blk.0.w13.weight"].data_ptr()) is None
+
+
+def test_anonymous_memory_takes_huge_pages():
+    """The memory a layout is read into (and nothing else) is advised into transparent huge pages wherever the
+    kernel offers them: private (a shared anonymous mapping is shmem, which they leave alone by default)."""
+    modes = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not modes.exists() or "[never]" in modes.read_text():
+        pytest.skip("no transparent huge pages on this kernel")
+    buf = anonymous_memory(8 << 20)
+    plain = anonymous_memory(8 << 20, huge=False)
+    at = [torch.frombuffer(b, dtype=torch.uint8).data_ptr() for b in (buf, plain)]
+    assert [smaps_field(a, "THPeligible") for a in at] == ["1", "0" if "[madvise]" in modes.read_text() else "1"]
+
+
+def smaps_field(addr: int, field: str) -> str | None:
+    """A field of /proc/self/smaps for the mapping that holds address `addr`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == field + ":":
+            return line.split()[1]
+    return None
 
 
 def mapped_file(addr: int) -> str | None:
@@ -107,7 +155,7 @@ def test_damaged_entry_is_rebuilt(cache, tmp_path, how, capfd):
     assert again.load_kind.startswith("first load")
     assert "rebuilding the cached layout" in capfd.readouterr().err
     assert torch.equal(logits(again), ref)
-    assert load(path, ctx=64).load_kind == "mapped cached layout"
+    assert load(path, ctx=64).load_kind.startswith("cached layout")
 
 
 def test_stale_entry_is_rebuilt_even_with_same_size_and_mtime(cache, tmp_path):
@@ -157,6 +205,7 @@ def test_unwritable_cache_converts_in_memory(tmp_path, monkeypatch, capfd):
 
 PEAK = """
 import resource, sys, torch
+from specdec.cache import anonymous_memory
 from specdec.loader import load
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 m = load(sys.argv[1], ctx=2048)
@@ -184,7 +233,7 @@ def test_peak_memory_of_loading_the_default_model(cache, smollm2_path):
         base, peak, *kind, wbytes = out.stdout.split()
         rows.append(((int(peak) - int(base)) / 1024, " ".join(kind), int(wbytes) / 2**20))
     (first, kind1, wmb), (mapped, kind2, _) = rows
-    assert kind1.startswith("first load") and kind2 == "mapped cached layout"
+    assert kind1.startswith("first load") and kind2.startswith("cached layout")
     assert mapped < wmb + 80, rows
     assert first < wmb + 100, rows
 
@@ -210,3 +259,22 @@ def test_scaffold_keeps_no_storage():
     assert w.recorder.sizes["lin.m.weight"] == 64 * 64 and w.recorder.sizes["table.t"] == 32 * 64 * 2
     assert all(t.untyped_storage().nbytes() == 0 for t in (*lin.tensors(), table))
     assert table.shape == (0, 64) and table.dtype == torch.bfloat16
+
+
+def test_mmap_flags_and_the_free_memory(cache, tmp_path, monkeypatch, capfd):
+    """--mmap / --no-mmap on the command line pick how a cached layout comes in (the summary line says which), and
+    weights larger than the free memory are mapped even under --no-mmap, with a note."""
+    import psutil
+
+    from specdec.cli import main
+
+    path = write_gguf("llama", tmp_path / "m.gguf", qtype="Q4_0", seed=6)
+    load(path, ctx=64)
+    for flag, kind in (("--mmap", "cached layout mapped"), ("--no-mmap", "cached layout read into memory")):
+        assert main(["generate", "-m", str(path), "-p", "hi", "-n", "2", "--temp", "0", flag]) == 0
+        assert kind in capfd.readouterr().err
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1000))
+    assert load(path, ctx=64, use_mmap=False).load_kind == "cached layout mapped"
+    assert "--no-mmap: the weights" in capfd.readouterr().err
+    assert load(path, ctx=64).load_kind == "cached layout mapped"
