@@ -196,10 +196,13 @@ def _map_entry(entry: Path, path: Path, ctx, dev, progress, in_memory: bool = Fa
     if not entry.exists():
         return None
     try:
-        meta, tensors = layout.read_entry(entry, in_memory)
-        info = json.loads(meta["specdec_layout"])
+        raw = layout.read_metadata(entry)["specdec_layout"]  # checked before any of the data is read
+        info = json.loads(raw)
         if info.get("files") != layout.cheap_identity(path) or info.get("identity") != layout.source_identity(path):
             raise layout.StaleEntry("the model file changed")
+        meta, tensors = layout.read_entry(entry, in_memory)
+        if meta.get("specdec_layout") != raw:  # another process replaced the entry in between
+            raise layout.StaleEntry("it changed while it was read")
         weights = CachedWeights(info, tensors)
         args = ModelArgs(**info["args"])
         dtype = getattr(torch, info["dtype"].removeprefix("torch."))

@@ -174,6 +174,20 @@ def test_stale_entry_is_rebuilt_even_with_same_size_and_mtime(cache, tmp_path):
     assert len(entries(cache)) == 1  # the rewritten file replaced its own entry
 
 
+def test_a_stale_entry_is_not_read(cache, tmp_path, monkeypatch):
+    """A changed model file is found stale from the entry's header alone: its data is neither read into memory nor
+    mapped before the rebuild."""
+    path = write_gguf("llama", tmp_path / "m.gguf", qtype="Q4_0", seed=6)
+    load(path, ctx=64)
+    write_gguf("llama", tmp_path / "m.gguf", qtype="Q4_0", seed=7)
+    reads = []
+    real = layout.read_entry
+    monkeypatch.setattr(layout, "read_entry", lambda p, *a: reads.append(p) or real(p, *a))
+    assert load(path, ctx=64).load_kind.startswith("first load")
+    (entry,) = entries(cache)
+    assert reads == [entry]  # only the new entry, after it was written
+
+
 def test_different_files_never_share_an_entry(cache, tmp_path):
     a = write_gguf("llama", tmp_path / "a" / "m.gguf", qtype="Q4_0", seed=8)
     b = write_gguf("llama", tmp_path / "b" / "m.gguf", qtype="Q4_0", seed=9)

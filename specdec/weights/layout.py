@@ -204,26 +204,41 @@ def _read_whole(f, size: int) -> mmap.mmap | None:
     return buf
 
 
+def _header(f) -> tuple[int, int, dict]:
+    """An open entry's (file size, header length, header with its metadata checked present)."""
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        raise StaleEntry("shorter than a header")
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > min(size - 8, 1 << 28):
+        raise StaleEntry("header length past the end")
+    header = json.loads(f.read(n))
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise StaleEntry("no metadata")
+    return size, n, header
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """An entry's metadata alone (its header's), to check it before reading the data. Raises StaleEntry."""
+    try:
+        with open(path, "rb") as f:
+            return _header(f)[2]["__metadata__"]
+    except (OSError, ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        raise StaleEntry(f"unreadable ({type(e).__name__})") from e
+
+
 def read_entry(path: Path, in_memory: bool = False) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """An entry -> (metadata, its tensors): backed by a copy-on-write mapping of the file, or with in_memory by the
     file read whole into anonymous_memory() (see READ_MAX). Raises StaleEntry when it is damaged."""
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise StaleEntry("shorter than a header")
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > min(size - 8, 1 << 28):
-                raise StaleEntry("header length past the end")
-            header = json.loads(f.read(n))
+            size, n, header = _header(f)
             mm = None
             if size > 8 + n:
                 mm = _read_whole(f, size) if in_memory else None
                 mm = mm or mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except (OSError, ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
         raise StaleEntry(f"unreadable ({type(e).__name__})") from e
-    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
-        raise StaleEntry("no metadata")
     meta = header.pop("__metadata__")
     tensors: dict[str, torch.Tensor] = {}
     end = 0
