@@ -290,5 +290,22 @@ def test_mmap_flags_and_the_free_memory(cache, tmp_path, monkeypatch, capfd):
     real = psutil.virtual_memory()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1000))
     assert load(path, ctx=64, use_mmap=False).load_kind == "cached layout mapped"
-    assert "--no-mmap: the weights" in capfd.readouterr().err
+    assert "do not fit in the free memory" in capfd.readouterr().err
     assert load(path, ctx=64).load_kind == "cached layout mapped"
+
+
+def test_serve_reads_weights_into_memory_whatever_their_size(cache, tmp_path, monkeypatch):
+    """`specdec serve` (long-lived) reads the cached weights into memory even past READ_MAX, where `generate` maps
+    them; its --mmap still maps."""
+    import specdec.server
+    from specdec.cli import main
+
+    path = write_gguf("llama", tmp_path / "m.gguf", qtype="Q4_0", seed=6)
+    load(path, ctx=64)
+    monkeypatch.setattr(layout, "READ_MAX", 0)  # every layout counts as big
+    assert load(path, ctx=64).load_kind == "cached layout mapped"
+    kinds = []
+    monkeypatch.setattr(specdec.server, "serve", lambda load, **kw: kinds.append(load()[1].load_kind) or 0)
+    for flags in ([], ["--mmap"]):
+        assert main(["serve", "-m", str(path), "-c", "64", *flags]) == 0
+    assert kinds == ["cached layout read into memory", "cached layout mapped"]

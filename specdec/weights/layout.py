@@ -156,10 +156,10 @@ READ_MAX = 1 << 30
 
 
 def read_into_memory(entry: Path, use_mmap: bool | None) -> bool:
-    """Whether a load reads the existing `entry` into memory (use_mmap False: `--no-mmap`) or maps it (True:
-    `--mmap`); None (the default): read one of at most READ_MAX bytes. An entry larger than the free memory is
-    mapped (with a note when reading was asked for): mapped pages can be dropped and read again, anonymous ones
-    cannot."""
+    """Whether a load reads the existing `entry` into memory (use_mmap False: `--no-mmap`, `specdec serve`'s
+    default) or maps it (True: `--mmap`); None (the default): read one of at most READ_MAX bytes. An entry larger
+    than the free memory is mapped (with a note when reading was asked for): mapped pages can be dropped and read
+    again, anonymous ones cannot."""
     if use_mmap or not entry.exists():
         return False
     size = entry.stat().st_size
@@ -173,8 +173,8 @@ def read_into_memory(entry: Path, use_mmap: bool | None) -> bool:
         free = size
     if size > free:
         if use_mmap is False:
-            note(f"--no-mmap: the weights ({size / 2**30:.1f} GiB) do not fit in the free memory "
-                 f"({free / 2**30:.1f} GiB); mapping them instead")
+            note(f"the weights ({size / 2**30:.1f} GiB) do not fit in the free memory ({free / 2**30:.1f} GiB): "
+                 "mapping them instead of reading them into memory")
         return False
     return True
 
