@@ -19,13 +19,13 @@ import torch
 from . import kernels
 
 
-def anonymous_memory(size: int, huge: bool = True) -> mmap.mmap | None:
-    """size bytes of private anonymous memory (zero-filled by the kernel on first touch), advised into 2 MB
-    transparent huge pages where the kernel allows (huge), or None where the platform has no private anonymous
-    mappings. Private, not mmap's default MAP_SHARED: Linux backs a shared anonymous mapping with shmem, which
-    transparent huge pages leave alone unless shmem_enabled says otherwise (it says never by default)."""
-    if not hasattr(mmap, "MAP_PRIVATE") or not hasattr(mmap, "MAP_ANONYMOUS"):
-        return None
+def anonymous_memory(size: int, huge: bool = True) -> mmap.mmap:
+    """size bytes of anonymous memory (zero-filled by the kernel on first touch), advised into 2 MB transparent huge
+    pages where the kernel allows (huge). Private where the platform has the flag, not mmap's default MAP_SHARED:
+    Linux backs a shared anonymous mapping with shmem, which transparent huge pages leave alone unless shmem_enabled
+    says otherwise (it says never by default)."""
+    if not hasattr(mmap, "MAP_PRIVATE") or not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: its anonymous mapping
+        return mmap.mmap(-1, size)
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
@@ -42,10 +42,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
     size = count * torch.empty((), dtype=dtype).element_size()
-    buf = anonymous_memory(size, huge=False) if size >= 1 << 20 else None
-    if buf is None:
+    if size < 1 << 20:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+    return torch.frombuffer(anonymous_memory(size, huge=False), dtype=dtype, count=count).view(shape)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -151,7 +151,7 @@ def load(model: str | Path | None = None, *, dtype: str = "auto", quant: str = "
     if use_cache:
         entry = layout.entry_path(cache_dir(), path, layout.layout_settings(dtype, quant, dev))
         in_memory = layout.read_into_memory(entry, use_mmap)
-        if in_memory and entry.exists() and tok is None:  # its parsing's peak before the weights are resident
+        if in_memory and tok is None:  # its parsing's peak before the weights are resident
             t = time.perf_counter()
             tok = load_tokenizer(path)
             split["tokenizer"] = time.perf_counter() - t

@@ -463,8 +463,8 @@ static inline __m256i bcast4(const int8_t *q) {
 /* block_int4 of the AVX-512 path (see there) for rows [t0, t0 + nt), nt <= ROWS4: the scale term over every group
    (one VPMADDWD per row, group and half of the block: the s16 sums of a group's 4 x 2 instructions) and the minimum
    term (its own chain in both paths, so the same sums), in the same loop up to YM_FUSED_MAX rows (T = 1-3 products
-   1.06-1.09x faster, beyond that spills; avx2-onepass-1206.txt), else after it. Both halves of the block (8 lanes each) in one pass over its
-   codes, each 64-byte line used whole when it arrives: a pass per half read the codes from memory in the first and
+   1.06-1.09x faster, beyond that spills; avx2-onepass-1206.txt), else after it. Both halves of the block (8 lanes
+   each) in one pass over its codes, each 64-byte line used whole when it arrives: a pass per half read the codes from memory in the first and
    from L2 in the second, with the memory bus idle meanwhile (on Zen 2, 8B-shaped products at T = 1 17-20 -> 22-26
    GB/s, docs/results/avx2-onepass-1206.txt). Inlined with nt a constant (block_int4 below): with nt known the row
    loops unroll and the accumulators stay in registers; with nt a variable GCC 12 kept them on the stack (a load and

@@ -181,12 +181,12 @@ def read_into_memory(entry: Path, use_mmap: bool | None) -> bool:
 
 def _read_whole(f, size: int) -> mmap.mmap | None:
     """The whole open file f in anonymous_memory(), read by two threads (preadv releases the GIL; the page faults of
-    both halves then run on both cores), or None where the platform lacks either."""
-    buf = anonymous_memory(size)
-    if buf is None or not hasattr(os, "preadv"):
+    both halves then run on both cores), or None where the platform has no preadv."""
+    if not hasattr(os, "preadv"):
         return None
     from concurrent.futures import ThreadPoolExecutor
 
+    buf = anonymous_memory(size)
     view, fd, chunk, half = memoryview(buf), f.fileno(), 8 << 20, size // 2 >> 21 << 21
 
     def read(lo: int, hi: int) -> None:
