@@ -64,9 +64,10 @@ class ContextFull(Exception):
 @dataclass
 class LayerCache:
     """One layer's view of a pool: kv [1, S, 2 Hkv, D] (keys then values per slot) or, where the keys are in the
-    attention kernel's tiles kt [Hkv, S / 32, D, 32], kv [1, S, Hkv, D] the values alone (k_all None); k_all / v_all
-    [1, Hkv, S, D] views of kv; base: the first slot of the sequence the caller works on (SDPA paths; the kernel
-    takes absolute slots). A latent (MLA) cache keeps its one vector per slot in kv and, for the kernel, in kt."""
+    attention kernel's tiles kt [Hkv, S / 32, D, 32], kv [1, Hkv, S, D] the values alone, head by head (k_all None);
+    k_all / v_all [1, Hkv, S, D] views of kv; base: the first slot of the sequence the caller works on (SDPA paths;
+    the kernel takes absolute slots). A latent (MLA) cache keeps its one vector per slot in kv and, for the kernel,
+    in kt."""
 
     kv: torch.Tensor
     k_all: torch.Tensor | None
@@ -82,7 +83,7 @@ class LayerCache:
         """Store new_kv [1, T, 2 Hkv, D] (keys then values, RoPE applied) at absolute slots [a, a + T)."""
         if self.k_all is None:  # values here, keys only in their tiles
             Hkv = new_kv.shape[2] // 2
-            self.kv[:, a:a + new_kv.shape[1]] = new_kv[:, :, Hkv:]
+            self.kv[:, :, a:a + new_kv.shape[1]] = new_kv[:, :, Hkv:].transpose(1, 2)
             kernels.store_keys(new_kv[:, :, :Hkv], self.kt, a)
         else:
             self.kv[:, a:a + new_kv.shape[1]] = new_kv
@@ -94,8 +95,12 @@ class KVPool:
     Sequence slot j owns positions [j M, (j + 1) M) of one long slot space (M = max_len rounded up to the kernel's
     tiles of 32), so one attention-kernel call serves rows of many sequences: each row attends its own absolute
     slots. Memory is taken only as slots are written (lazy_zeros), so a pool of 16 x 4096 costs what its sequences
-    fill. With transposed_keys (the attention kernel) the keys are only in the tiles kt and kv[l, 0, s] holds the
-    values; else keys and values side by side, so one copy writes both: kv[l, 0, s, :Hkv] = K, kv[l, 0, s, Hkv:] = V.
+    fill. With transposed_keys (the attention kernel) the keys are only in the tiles kt and the values are stored
+    head by head, values [layers, 1, Hkv, S, D], so that the kernel reads one head's values as one stream (side by
+    side, a head's rows were 384 bytes apart in SmolLM2's cache, and a decode step's attention at 1500 cached slots
+    took 1.24x as long: docs/results/values-head-major-1206.txt); kv is then the slot-major view of them,
+    kv[l, 0, s] = the Hkv values of slot s, which slot copies (keep, copy_from, entries) index. Else keys and values
+    are side by side, so one copy writes both: kv[l, 0, s, :Hkv] = K, kv[l, 0, s, Hkv:] = V (values is kv).
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, n_slots: int, dtype: torch.dtype,
@@ -111,7 +116,11 @@ class KVPool:
         # keys only in the tiles: non-latent caches of the attention kernel
         self.split = split = transposed_keys and not latent
         heads = 1 if latent else n_kv_heads if split else 2 * n_kv_heads
-        self.kv = lazy_zeros((n_layers, 1, S, heads, head_dim), dtype, device)
+        if split:
+            self.values = lazy_zeros((n_layers, 1, heads, S, head_dim), dtype, device)
+            self.kv = self.values.transpose(2, 3)  # [layers, 1, S, Hkv, D], a view
+        else:
+            self.kv = self.values = lazy_zeros((n_layers, 1, S, heads, head_dim), dtype, device)
         # per-layer views as attention reads them: [1, Hkv, S, D] (made once; slicing them per step is one op)
         self.k_all = [None if split else self.kv[i, :, :, :n_kv_heads].transpose(1, 2) for i in range(n_layers)]
         self.v_all = [self.kv[i, :, :, heads - n_kv_heads:].transpose(1, 2) for i in range(n_layers)]
@@ -124,7 +133,7 @@ class KVPool:
         self.kept: dict[int, list[int]] = {}  # free slot -> the tokens whose keys and values it still holds
         self.released: dict[int, int] = {}  # free slot -> when it was released (a counter)
         self._clock = 0
-        self.layers = [LayerCache(self.kv[i], self.k_all[i], self.v_all[i],
+        self.layers = [LayerCache(self.values[i], self.k_all[i], self.v_all[i],
                                   self.kt[i] if self.kt is not None else None) for i in range(n_layers)]
 
     def acquire(self, max_len: int | None = None, tokens: Sequence[int] = ()) -> KVCache:
@@ -204,7 +213,8 @@ class KVCache:
         self.pool, self.slot = pool, slot
         self.base = slot * pool.stride  # this sequence's first slot in the pool
         self.max_len = min(max_len or pool.max_len, pool.max_len)
-        self.kv, self.kt = pool.kv, pool.kt  # the whole pool: [layers, 1, S, 2 Hkv, D], [layers, Hkv, tiles, D, 32]
+        # the whole pool, slot-major: [layers, 1, S, 2 Hkv (Hkv: values only), D], [layers, Hkv, tiles, D, 32]
+        self.kv, self.kt = pool.kv, pool.kt
         self.pos = pool.pos[self.base:self.base + self.max_len]  # [max_len] RoPE position of each slot (a view)
         self.length = 0
         self.reused = 0  # leading prompt tokens whose keys and values the slot already held (KVPool.acquire)

@@ -80,6 +80,26 @@ def test_keys_are_kept_once(smollm2_default):
     assert cache.nbytes == 256 * per_slot
 
 
+def test_values_are_stored_head_by_head(smollm2_default):
+    """The kernel's value cache is [Hkv, S, D] per layer: one KV head's values are one stream (consecutive slots D
+    elements apart), which the attention kernel reads as such; the slot-major view the cache's copies use shows the
+    same values."""
+    m = smollm2_default.model
+    a = m.args
+    ids = chat_ids(smollm2_default.tokenizer, "Hello there")
+    with torch.inference_mode():
+        cache = m.new_cache(256)
+        m.prefill(ids, cache)
+    D = m.layers[0].head_dim
+    for i in (0, a.n_layers - 1):
+        values = cache.layer(i).kv
+        assert values.is_contiguous() and values.shape == (1, a.n_kv_heads, cache.kt.shape[2] * 32, D)
+        assert values.stride(2) == D  # slot s + 1 of a head right after slot s
+        slots = cache.entries(0, len(ids))[i, :, a.n_kv_heads:]  # [n, Hkv, D], slot by slot
+        assert torch.equal(values[0, :, :len(ids)].transpose(0, 1), slots)
+        assert values[0, :, :len(ids)].abs().sum() > 0
+
+
 def test_keep_compacts_tree_slots(smollm2_default):
     """cache.keep(start, slots): the kept slots' keys/values move into place as if only they had been written."""
     m = smollm2_default.model

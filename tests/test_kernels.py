@@ -21,10 +21,17 @@ def make(H: int, Hkv: int, D: int, S: int, dtype: torch.dtype, seed: int = 0):
     return kv, kt
 
 
+def values(kv, kt, Hkv):
+    """kv's values as the kernel's cache holds them: head by head, [1, Hkv, S, D], S the slots of the tiles."""
+    v = torch.zeros(1, Hkv, kt.shape[1] * kernels.TILE, kv.shape[-1], dtype=kv.dtype)
+    v[:, :, :kv.shape[1]] = kv[:, :, Hkv:].transpose(1, 2)
+    return v
+
+
 def run(qkv, kv, kt, H, Hkv, start, tails, window=None, scale=0.125):
     """The kernel over kv's values (the kernel's cache holds only values) and the key tiles kt."""
     spans, tail = kernels.row_spans([(0, start, [int(x) for x in t]) for t in tails], window)
-    return kernels.attend(qkv, kv[:, :, Hkv:].contiguous(), kt, H, Hkv, spans, tail, scale)
+    return kernels.attend(qkv, values(kv, kt, Hkv), kt, H, Hkv, spans, tail, scale)
 
 
 def sdpa(qkv, kv, H, Hkv, slots, scale=0.125):
@@ -67,10 +74,10 @@ def test_rope_store_is_apply_rope_then_the_cache_writes(dtype, H, Hkv, D):
     pos = torch.arange(start, start + T)
     qkv = torch.randn(1, T, H + 2 * Hkv, D, generator=torch.Generator().manual_seed(2)).to(dtype)
     kv, kt = make(H, Hkv, D, S, dtype)
-    vals = kv[:, :, Hkv:].contiguous()
+    vals = values(kv, kt, Hkv)
     vals2, kt2 = vals.clone(), kt.clone()
     ref = apply_rope(qkv.float(), *rope.tables(pos, H + Hkv, Hkv)).to(dtype)
-    vals2[:, start:start + T] = ref[:, :, H + Hkv:]
+    vals2[:, :, start:start + T] = ref[:, :, H + Hkv:].transpose(1, 2)
     kernels.store_keys(ref[:, :, H:H + Hkv], kt2, start)
     got = qkv.clone()
     kernels.rope_store(got, vals, kt, *rope.rows(pos), torch.arange(start, start + T), H, Hkv)
@@ -78,8 +85,9 @@ def test_rope_store_is_apply_rope_then_the_cache_writes(dtype, H, Hkv, D):
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(vals.float(), vals2.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(kt.float(), kt2.float(), atol=tol, rtol=tol)
-    assert torch.equal(vals[:, start:start + T], got[0, :, H + Hkv:][None])
-    assert torch.equal(vals[:, :start], vals2[:, :start]) and torch.equal(vals[:, start + T:], vals2[:, start + T:])
+    assert torch.equal(vals[:, :, start:start + T], got[:, :, H + Hkv:].transpose(1, 2))
+    assert torch.equal(vals[:, :, :start], vals2[:, :, :start])
+    assert torch.equal(vals[:, :, start + T:], vals2[:, :, start + T:])
     # the tiles hold exactly the rotated keys at slots start.., and the other slots' keys unchanged
     assert torch.equal(kernels.tile_keys(kt, start, start + T), got[0, :, H:H + Hkv].transpose(0, 1))
     assert torch.equal(kernels.tile_keys(kt, 0, start), kv[0, :start, :Hkv].transpose(0, 1))

@@ -157,9 +157,11 @@ def rope_store(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, cos: torch
                slots: torch.Tensor, n_heads: int, n_kv: int) -> None:
     """RoPE on qkv's query and key heads in place (qkv [1, T, H + 2 Hkv, D], contiguous; cos, sin f32 [T, D]: the
     Rope tables' rows at the T positions), then row t's value stored at slot slots[t] (int64 [T]) of one layer's
-    values kv [1, S, Hkv, D] and its key in the key tiles kt [Hkv, tiles, D, 32] (see attention.c)."""
+    values kv [1, Hkv, S, D] (head by head, S = 32 tiles) and its key in the key tiles kt [Hkv, tiles, D, 32] (see
+    attention.c)."""
     _, T, _, D = qkv.shape
     assert qkv.is_contiguous() and kv.is_contiguous() and kt.is_contiguous() and qkv.dtype == kv.dtype == kt.dtype
+    assert kv.shape == (1, n_kv, kt.shape[1] * TILE, D)
     assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
     assert slots.dtype == torch.int64 and slots.numel() == T and slots.is_contiguous()
     attention_lib().specdec_rope_store(qkv.data_ptr(), T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(),
@@ -169,10 +171,11 @@ def rope_store(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, cos: torch
 def attend(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, n_heads: int, n_kv: int, spans: torch.Tensor,
            tails: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of qkv's query heads (qkv [1, T, H + 2 Hkv, D], contiguous, queries first) over one layer's values
-    kv [1, S, Hkv, D] and key tiles kt [Hkv, tiles, D, 32], each row over its own slots (row_spans)
-    -> [1, T, H * D]."""
+    kv [1, Hkv, S, D] (head by head, S = 32 tiles) and key tiles kt [Hkv, tiles, D, 32], each row over its own slots
+    (row_spans) -> [1, T, H * D]."""
     _, T, _, D = qkv.shape
     assert qkv.is_contiguous() and kv.is_contiguous() and kt.is_contiguous() and qkv.dtype == kv.dtype == kt.dtype
+    assert kv.shape == (1, n_kv, kt.shape[1] * TILE, D)
     assert spans.numel() == 3 * T + 1 and spans.dtype == tails.dtype == torch.int64
     out = torch.empty(1, T, n_heads * D, dtype=qkv.dtype)
     p = spans.data_ptr()

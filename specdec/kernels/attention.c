@@ -656,9 +656,11 @@ static int run_unit(const void *q, long q_stride, const void *kv, const void *kt
             rh[r].part = parts + ((long)(t * H + h) * 2 + half) * (Dv + 2);
         }
     }
-    /* a slot's value: head kvh of its Hkv value heads (the keys are only in the tiles), or (latent) the first Dv
-       elements of its one vector */
-    long voff = latent ? 0 : (long)kvh * D, stride = latent ? D : (long)Hkv * D;
+    /* a slot's value: in head kvh's rows of the values [Hkv, S, D] (one stream per head: with the heads of a slot
+       side by side, [S, Hkv, D], a head's rows were 384 bytes apart and a decode step's attention at 1500 cached
+       slots took 1.24x as long, docs/results/values-head-major-1206.txt; the keys are only in the tiles), or
+       (latent) the first Dv elements of its one vector */
+    long voff = latent ? 0 : (long)kvh * tiles * BLOCK * D, stride = D;
     if (bf16)
         unit_attend_bf16(rh, nr, (const uint16_t *)kv + voff, stride, (const uint16_t *)kt + kvh * tiles * D * BLOCK,
                          D, Dv, scale, base, qt);
@@ -668,8 +670,9 @@ static int run_unit(const void *q, long q_stride, const void *kv, const void *kt
     return 0;
 }
 
-/* q: T rows of H heads of D (row stride q_stride elements, head stride D); kv: one layer's values [S, Hkv, D];
-   kt: its keys, in tiles [Hkv, tiles, D, 32] (their only copy: rope_store / store_keys write them).
+/* q: T rows of H heads of D (row stride q_stride elements, head stride D); kv: one layer's values [Hkv, S, D], head
+   by head, S = 32 tiles; kt: its keys, in tiles [Hkv, tiles, D, 32] (their only copy: rope_store / store_keys write
+   them).
    Row t attends the slots lo[t] .. hi[t] - 1, then tails[toff[t] .. toff[t + 1]) (at least one slot in all);
    out: [T, H, D] contiguous. D must be 16, 32, 64, 128 or 256. Returns 0, -1 when memory runs out, -2 for an
    unsupported D. (specdec_attend_latent: the same for multi-head latent attention.)
@@ -813,7 +816,8 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
                 x[d] = STORE(y[d]);                                                                                \
         }                                                                                                          \
         long slot = (long)slots[t];                                                                                \
-        memcpy((T_ *)kv + slot * Hkv * D, row + (long)(H + Hkv) * D, sizeof(T_) * Hkv * D); /* the value */        \
+        for (int h = 0; h < Hkv; h++) /* the value, head by head */                                                \
+            memcpy((T_ *)kv + ((long)h * tiles * BLOCK + slot) * D, row + (long)(H + Hkv + h) * D, sizeof(T_) * D); \
         for (int h = 0; h < Hkv; h++) {                                                                            \
             T_ *dst = (T_ *)kt + ((long)h * tiles + slot / BLOCK) * D * BLOCK + slot % BLOCK;                      \
             for (int d = 0; d < D; d++)                                                                            \
@@ -825,7 +829,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 /* RoPE (Su et al. 2021) on the query and key heads of qkv [T, H + 2 Hkv, D], in place: x cos + rotate_half(x) sin,
    rotate_half being a roll by D / 2 with its sign folded into sin (cos, sin: f32 [T, D], the rows of the tables of
    models/transformer.py's Rope at the T positions); then row t's value stored at slot slots[t] of one layer's
-   value cache kv [S, Hkv, D] (rows of several sequences go to their own slots), and its key in the key tiles
+   value cache kv [Hkv, S, D] (S = 32 tiles; rows of several sequences go to their own slots), and its key in the key tiles
    kt [Hkv, tiles, D, 32], the keys' only copy. One call
    instead of the handful of small PyTorch ops a decode step would spend on it per layer. Each row is computed on
    its own, so batch invariance is kept. esize: bytes per element (2: bf16, 4: f32). */

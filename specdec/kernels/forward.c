@@ -108,7 +108,7 @@ static int linear(matmul_fn mm, const int64_t *l, const void *x, int T, int K, v
 }
 
 /* layers [i0, i1) of records L over T rows: x [T, dim] (in place), scratch qkv [T, (H + 2 Hkv) D], o [T, H D],
-   h [T, 2 ffn], y [T, dim]; kv / kt: each layer's values [S, Hkv, D] and key tiles; cos / sin (and the local tables of
+   h [T, 2 ffn], y [T, dim]; kv / kt: each layer's values [Hkv, S, D] and key tiles; cos / sin (and the local tables of
    sliding layers) f32 [T, D]; slots [T]; spans / tails of the full and the sliding plan (kernels.row_spans); n_feat
    features: layer feat_layer[j]'s input rows copied to feats [T, feat_row] at column feat_col[j]. Returns 0, or the
    first failing kernel's code (-1: out of memory, -2: shapes). */
