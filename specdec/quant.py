@@ -152,6 +152,14 @@ class Int8Linear(_Native):
             q = self.weight[ids].float()
         return q * self.scales[ids].float()[..., None]
 
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype, mul: float = 1.0) -> torch.Tensor:
+        """Embedding rows `ids` [...] as activations [..., K] in `dtype`, times mul: rows(ids).to(dtype) * mul, with
+        the same roundings in one kernel call where the weight is in the kernel's layout (kernels.rows_int8)."""
+        if self.native and dtype in kernels.DTYPES:
+            return kernels.rows_int8(self.weight, self.scales, ids, dtype, mul)
+        x = self.rows(ids).to(dtype)
+        return x * torch.tensor(mul, dtype=dtype) if mul != 1.0 else x
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.scales, self.bias) if t is not None]
 

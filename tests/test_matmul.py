@@ -224,3 +224,39 @@ def test_amx_rows_are_the_vnni_rows(cls, dtype):
         assert torch.equal(lin(x[t:t + 1]), whole[t:t + 1])
     for T in (10, 12, 26, 31):  # rows on a partial tile (and after a full one) are their rows of 37 too
         assert torch.equal(runs[True][[1, 2, 5, 9, 10, 12, 15, 16, 17, 26, 31, 37].index(T)][0], whole[:T])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mul", [1.0, 25.298221281347036])  # 1, and Gemma-3-270M's embedding scale sqrt(640)
+def test_int8_rows_lookup_is_the_pytorch_ops_in_one_call(dtype, mul, monkeypatch):
+    """An embedding lookup from a tied int8 head (Int8Linear.lookup) is bitwise rows(ids).to(dtype) * mul, the ops
+    it replaces, computed by the kernel (specdec_rows_int8): rows on both sides of 16-row blocks, any order."""
+    lin = Int8Linear(weights(64, 96, 3), None)
+    assert lin.native
+    calls = []
+    real = kernels.rows_int8
+    monkeypatch.setattr(kernels, "rows_int8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = torch.tensor([[0, 15, 16, 63, 31, 0], [17, 47, 48, 1, 2, 62]])
+    m = torch.tensor(mul, dtype=dtype)  # the model's scale tensor, in its dtype
+    ref = lin.rows(ids).to(dtype) * m if mul != 1.0 else lin.rows(ids).to(dtype)
+    got = lin.lookup(ids, dtype, float(m))
+    assert calls and got.dtype == dtype and got.shape == (2, 6, 96)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(kernels.forward_lib() is None, reason="forward.c not built")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_final_norm_in_c_is_rms_norm(dtype):
+    """kernels.rms_norm (forward.c's final norm, each row alone) is RMSNorm: what the PyTorch formulation gives, to
+    within one rounding of the output, and a row's result does not depend on the other rows."""
+    from specdec.models.transformer import rms_norm
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(1, 5, 576, generator=g) * 3).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    got = kernels.rms_norm(x, w.float().contiguous(), 1e-5)
+    ref = rms_norm(x, torch.stack([w, w]), 1e-5)
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    one = kernels.rms_norm(x[:, 3:4].clone(), w.float().contiguous(), 1e-5)
+    assert torch.equal(one[0, 0], got[0, 3])

@@ -225,6 +225,8 @@ def matmul_lib() -> ctypes.CDLL | None:
     dll.specdec_experts.argtypes = [ptr, i, i, i, ptr, i, i, i, i, ptr, ptr, ptr, i]
     dll.specdec_matmul_amx.restype = i
     dll.specdec_matmul_amx.argtypes = [i]
+    dll.specdec_rows_int8.restype = None
+    dll.specdec_rows_int8.argtypes = [ptr, ptr, i, ptr, i, ptr, i, ctypes.c_float]
     dll.specdec_matmul_amx(int(os.environ.get("SPECDEC_AMX", "1") != "0"))  # SPECDEC_AMX=0: VNNI only
     return dll
 
@@ -256,7 +258,9 @@ def forward_lib() -> ctypes.CDLL | None:
     dll.specdec_layers.restype = i
     dll.specdec_layers.argtypes = [ptr, i, i, ptr, ptr, c_long, i, i, i, i, i, i, f, f, i, ptr, ptr, ptr, ptr, ptr,
                                    ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i, ptr, ptr, ptr,
-                                   c_long]
+                                   c_long, ptr, f, ptr]
+    dll.specdec_rms_norm.restype = None
+    dll.specdec_rms_norm.argtypes = [ptr, i, i, ptr, f, ptr, i]
     dll.fns = [ctypes.cast(fn, ctypes.c_void_p).value for fn in
                (matmul_lib().specdec_matmul, attention_lib().specdec_rope_store, attention_lib().specdec_attend)]
     return dll
@@ -321,6 +325,29 @@ def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor
     if rc != 0:
         raise MemoryError("the matmul kernel ran out of memory") if rc == -1 else ValueError(f"matmul shape {n}x{k}")
     return y if y.dtype == dtype else y.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x's rows [..., dim] (f32 or bf16) times weight (f32 [dim]), in forward.c: the final norm
+    forward.c applies after the layers, for the forwards that run their layers one call at a time."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    forward_lib().specdec_rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(), eps,
+                                   out.data_ptr(), DTYPES[x.dtype])
+    return out
+
+
+def rows_int8(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype,
+              mul: float = 1.0) -> torch.Tensor:
+    """Rows `ids` [...] of an int8 weight packed by pack_int8 (scales: bf16 [N]) as activations [..., K] in `dtype`
+    (f32 or bf16): (q - 128) s, then times mul (an embedding scale), each rounded to dtype as the PyTorch ops
+    quant.Int8Linear.rows(ids).to(dtype) * mul round them (matmul.c, specdec_rows_int8)."""
+    ids = ids.to(torch.int64).contiguous()
+    K = codes.shape[1] * GROUP
+    out = torch.empty(*ids.shape, K, dtype=dtype)
+    matmul_lib().specdec_rows_int8(codes.data_ptr(), scales.data_ptr(), K, ids.data_ptr(), ids.numel(),
+                                   out.data_ptr(), DTYPES[dtype], mul)
+    return out
 
 
 def head_pointers(linears: list) -> torch.Tensor:

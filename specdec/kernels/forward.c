@@ -70,6 +70,16 @@ static inline float inv_rms(const void *x, int bf16, long at, int n, float eps) 
     return 1.0f / sqrtf(ss / (float)n + eps);
 }
 
+/* RMSNorm (Zhang & Sennrich 2019) of T rows x [T, dim] into out, times w [dim] (f32), each row alone: the final norm
+   of a forward, here or (models/transformer.py, layer by layer) through kernels.rms_norm, so both paths agree */
+void specdec_rms_norm(const void *x, int T, int dim, const float *w, float eps, void *out, int bf16) {
+    for (int t = 0; t < T; t++) {
+        long at = (long)t * dim;
+        float r = inv_rms(x, bf16, at, dim, eps);
+        for (int i = 0; i < dim; i++) put(out, bf16, at + i, get(x, bf16, at + i) * r * w[i]);
+    }
+}
+
 /* RMSNorm (Zhang & Sennrich 2019) of each of the n_heads heads (D wide) of each of T rows of width row, in place,
    times w [n_heads, D] (Gemma 3's q / k norms: each row computed alone, so batch-invariant) */
 static void head_norms(void *x, int bf16, int T, long row, int n_heads, int D, const float *w, float eps) {
@@ -110,15 +120,17 @@ static int linear(matmul_fn mm, const int64_t *l, const void *x, int T, int K, v
 /* layers [i0, i1) of records L over T rows: x [T, dim] (in place), scratch qkv [T, (H + 2 Hkv) D], o [T, H D],
    h [T, 2 ffn], y [T, dim]; kv / kt: each layer's values [Hkv, S, D] and key tiles; cos / sin (and the local tables of
    sliding layers) f32 [T, D]; slots [T]; spans / tails of the full and the sliding plan (kernels.row_spans); n_feat
-   features: layer feat_layer[j]'s input rows copied to feats [T, feat_row] at column feat_col[j]. Returns 0, or the
-   first failing kernel's code (-1: out of memory, -2: shapes). */
+   features: layer feat_layer[j]'s input rows copied to feats [T, feat_row] at column feat_col[j]; out_norm (f32
+   [dim], or NULL): the final RMSNorm of x's rows into out [T, dim], with out_eps (in PyTorch its 4 small ops cost a
+   SmolLM2 decode step 0.15 ms, their code cold after the layers streamed the weights: docs/results/step-glue-1206.txt).
+   Returns 0, or the first failing kernel's code (-1: out of memory, -2: shapes). */
 int specdec_layers(const int64_t *L, int i0, int i1, const int64_t *kv, const int64_t *kt, long tiles, int T,
                    int dim, int H, int Hkv, int D, int ffn, float eps, float scale, int bf16, void *x, void *qkv,
                    void *o, void *h, void *y, const float *cos, const float *sin, const float *cos_l,
                    const float *sin_l, const int64_t *slots, const int64_t *spans_f, const int64_t *tails_f,
                    const int64_t *spans_s, const int64_t *tails_s, const void *mm_p, const void *rope_p,
                    const void *att_p, int n_feat, const int64_t *feat_layer, const int64_t *feat_col, void *feats,
-                   long feat_row) {
+                   long feat_row, const float *out_norm, float out_eps, void *out) {
     matmul_fn mm = (matmul_fn)mm_p;
     rope_fn rope = (rope_fn)rope_p;
     attend_fn att = (attend_fn)att_p;
@@ -153,5 +165,7 @@ int specdec_layers(const int64_t *L, int i0, int i1, const int64_t *kv, const in
             return rc;
         }
     }
+    if (out_norm)
+        specdec_rms_norm(x, T, dim, out_norm, out_eps, out, bf16);
     return 0;
 }

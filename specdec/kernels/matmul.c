@@ -855,6 +855,44 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
 #endif
 }
 
+/* Rows ids[0 .. n) of an int8 weight packed as specdec_matmul takes it (codes q + 128 [N/16, K/32, 8, 64], s: bf16
+   scale per row), as the activations an embedding lookup makes of them: out [n, K] = (q - 128) s, rounded to bf16
+   when bf16, then times mul, rounded again, when mul != 1 (Gemma's embedding scale): the operations of the PyTorch
+   path (quant.Int8Linear.rows, then the model's dtype and scale) in the same order, one call instead of ~8 small
+   ops that cost a SmolLM2 decode step 0.17 ms (each op's code cold after the layers stream the weights;
+   docs/results/step-glue-1206.txt). Plain C: it needs no vector unit. */
+static inline float bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u; /* round to nearest even, as torch (no NaN here) */
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+void specdec_rows_int8(const uint8_t *w, const uint16_t *s, int K, const int64_t *ids, int n, void *out, int bf16,
+                       float mul) {
+    int G = K / GROUP;
+    for (int i = 0; i < n; i++) {
+        long id = (long)ids[i], lane = id % LANES;
+        uint32_t su = (uint32_t)s[id] << 16;
+        float sc;
+        memcpy(&sc, &su, sizeof sc);
+        const uint8_t *block = w + id / LANES * (long)G * 512;
+        for (int k = 0; k < K; k++) {
+            float v = (float)((int)block[(long)(k / GROUP) * 512 + (k % GROUP) / 4 * 64 + lane * 4 + k % 4] - 128) * sc;
+            if (bf16) v = bf16_round(v);
+            if (mul != 1.0f) v = bf16 ? bf16_round(v * mul) : v * mul;
+            if (bf16) {
+                uint32_t u;
+                memcpy(&u, &v, sizeof u);
+                ((uint16_t *)out)[(long)i * K + k] = (uint16_t)(u >> 16);
+            } else {
+                ((float *)out)[(long)i * K + k] = v;
+            }
+        }
+    }
+}
+
 /* H independent products y_h = x_h W_h^T, h = 0..H-1 (multi-head latent attention's absorbed per-head matrices,
    models/mla.py): x [H, T, K] head-major and contiguous, W_h [N, K] packed as specdec_matmul takes it, its codes /
    scales / zeros at w[h], s[h], z[h] (z[h] NULL: symmetric), y [H, T, N]. One call instead of H: the H T activation

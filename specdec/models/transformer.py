@@ -490,8 +490,9 @@ class Transformer:
         aux = self.aux_layers or ()
         feats = torch.empty(x.shape[1], (len(aux) + 1) * a.dim, dtype=x.dtype) if aux else None
         fast = self.fast_layers() if plan.kind == "kernel" else None
+        h = None
         if fast is not None:
-            x = self._layers_in_c(fast, x, rope, rope_local, cache, plan, feats)
+            x, h = self._layers_in_c(fast, x, rope, rope_local, cache, plan, feats)
         else:
             for i, layer in enumerate(self.layers):
                 for j in (j for j, k in enumerate(aux) if k == i):
@@ -500,7 +501,11 @@ class Transformer:
                           a.sliding_window if layer.sliding else None)
         for j in (j for j, k in enumerate(aux) if k == a.n_layers):
             feats[:, j * a.dim:(j + 1) * a.dim] = x[0]
-        h = rms_norm(x, self.output_norm, a.norm_eps)
+        if (h is None and plan.kind == "kernel" and x.device.type == "cpu" and x.dtype in kernels.DTYPES
+                and kernels.forward_lib() is not None):
+            h = kernels.rms_norm(x, self._output_norm_f32(), a.norm_eps)  # forward.c's final norm, as fast paths do
+        elif h is None:
+            h = rms_norm(x, self.output_norm, a.norm_eps)
         logits = self.output(h if last is None else h[:, last]).float()
         if self.args.final_logit_softcap:
             cap = self.args.final_logit_softcap
@@ -511,6 +516,12 @@ class Transformer:
             feats[:, -a.dim:] = h[0]
             return logits, feats[None]
         return logits, (x if a.mtp_layout == "mimo" else h)
+
+    def _output_norm_f32(self) -> torch.Tensor:
+        """The final norm's weight as forward.c takes it (f32 [dim]; cached)."""
+        if getattr(self, "_out_norm", None) is None:
+            self._out_norm = self.output_norm[0].float().contiguous()
+        return self._out_norm
 
     def fast_layers(self) -> torch.Tensor | None:
         """Every layer's record for kernels/forward.c (layer_records()) when the whole stack can run there; else
@@ -523,9 +534,11 @@ class Transformer:
         return self._fast
 
     def _layers_in_c(self, records: torch.Tensor, x: torch.Tensor, rope, rope_local, cache: KVCache,
-                     plan: AttentionPlan, feats: torch.Tensor | None) -> torch.Tensor:
-        """x [1, T, dim] through every layer in one kernels/forward.c call on the "kernel" plan, which also copies
-        the aux layers' inputs into feats' columns (EAGLE-3's features) -> [1, T, dim]."""
+                     plan: AttentionPlan, feats: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [1, T, dim] through every layer and the final RMSNorm in one kernels/forward.c call on the "kernel"
+        plan, which also copies the aux layers' inputs into feats' columns (EAGLE-3's features) -> (x, its final
+        norm), both [1, T, dim]. The norm is forward.c's RMSNorm (f32, each row alone), not rms_norm()'s LayerNorm:
+        the same formula, its mean of squares summed in another order."""
         a, lib, layer0 = self.args, kernels.forward_lib(), self.layers[0]
         aux = self.aux_layers or ()
         where = getattr(self, "_feat_where", None)
@@ -544,6 +557,7 @@ class Transformer:
         o = torch.empty(T, H * D, dtype=x.dtype)
         h = torch.empty(T, 2 * layer0.ffn_dim, dtype=x.dtype)  # gate | up before GELU (SwiGLU uses half)
         y = torch.empty(T, a.dim, dtype=x.dtype) if layer0.sandwich else o  # a projection before its norm
+        normed = torch.empty_like(x)
         (spans_f, tails_f), (spans_s, tails_s) = plan.full, plan.sliding
         (cos, sin), (cos_l, sin_l) = rope, rope_local
         rc = lib.specdec_layers(
@@ -552,12 +566,18 @@ class Transformer:
             kernels.DTYPES[x.dtype], x.data_ptr(), qkv.data_ptr(), o.data_ptr(), h.data_ptr(), y.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), plan.slots.data_ptr(),
             spans_f.data_ptr(), tails_f.data_ptr(), spans_s.data_ptr(), tails_s.data_ptr(), *lib.fns, len(aux),
-            where[0].data_ptr(), where[1].data_ptr(), feats.data_ptr() if aux else None, feats.shape[1] if aux else 0)
+            where[0].data_ptr(), where[1].data_ptr(), feats.data_ptr() if aux else None, feats.shape[1] if aux else 0,
+            self._output_norm_f32().data_ptr(), a.norm_eps, normed.data_ptr())
         if rc != 0:
             raise MemoryError("a kernel ran out of memory") if rc == -1 else ValueError("kernel shapes")
-        return x
+        return x, normed
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        lookup = getattr(self.embed, "lookup", None)
+        if lookup is not None:  # an int8 table: one kernel call (quant.Int8Linear.lookup)
+            if not hasattr(self, "_embed_mul"):
+                self._embed_mul = float(self.embed_scale) if self.args.embed_scale != 1.0 else 1.0
+            return lookup(tokens, self.dtype, self._embed_mul)
         x = self.embed.rows(tokens).to(self.dtype)
         return x * self.embed_scale if self.args.embed_scale != 1.0 else x
 
