@@ -242,6 +242,9 @@ def test_int8_rows_lookup_is_the_pytorch_ops_in_one_call(dtype, mul, monkeypatch
     got = lin.lookup(ids, dtype, float(m))
     assert calls and got.dtype == dtype and got.shape == (2, 6, 96)
     assert torch.equal(got, ref)
+    for bad in (64, -1):  # not a row: an error, as the PyTorch indexing raises one, never a read past the table
+        with pytest.raises(IndexError):
+            lin.lookup(torch.tensor([[3, bad]]), dtype, float(m))
 
 
 @pytest.mark.skipif(kernels.forward_lib() is None, reason="forward.c not built")

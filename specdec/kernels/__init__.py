@@ -157,7 +157,7 @@ def rope_store(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, cos: torch
                slots: torch.Tensor, n_heads: int, n_kv: int) -> None:
     """RoPE on qkv's query and key heads in place (qkv [1, T, H + 2 Hkv, D], contiguous; cos, sin f32 [T, D]: the
     Rope tables' rows at the T positions), then row t's value stored at slot slots[t] (int64 [T]) of one layer's
-    values kv [1, Hkv, S, D] (head by head, S = 32 tiles) and its key in the key tiles kt [Hkv, tiles, D, 32] (see
+    values kv [1, Hkv, S, D] (head by head, S = 32 x tiles) and its key in the key tiles kt [Hkv, tiles, D, 32] (see
     attention.c)."""
     _, T, _, D = qkv.shape
     assert qkv.is_contiguous() and kv.is_contiguous() and kt.is_contiguous() and qkv.dtype == kv.dtype == kt.dtype
@@ -171,7 +171,7 @@ def rope_store(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, cos: torch
 def attend(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, n_heads: int, n_kv: int, spans: torch.Tensor,
            tails: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of qkv's query heads (qkv [1, T, H + 2 Hkv, D], contiguous, queries first) over one layer's values
-    kv [1, Hkv, S, D] (head by head, S = 32 tiles) and key tiles kt [Hkv, tiles, D, 32], each row over its own slots
+    kv [1, Hkv, S, D] (head by head, S = 32 x tiles) and key tiles kt [Hkv, tiles, D, 32], each row over its own slots
     (row_spans) -> [1, T, H * D]."""
     _, T, _, D = qkv.shape
     assert qkv.is_contiguous() and kv.is_contiguous() and kt.is_contiguous() and qkv.dtype == kv.dtype == kt.dtype
@@ -225,8 +225,8 @@ def matmul_lib() -> ctypes.CDLL | None:
     dll.specdec_experts.argtypes = [ptr, i, i, i, ptr, i, i, i, i, ptr, ptr, ptr, i]
     dll.specdec_matmul_amx.restype = i
     dll.specdec_matmul_amx.argtypes = [i]
-    dll.specdec_rows_int8.restype = None
-    dll.specdec_rows_int8.argtypes = [ptr, ptr, i, ptr, i, ptr, i, ctypes.c_float]
+    dll.specdec_rows_int8.restype = i
+    dll.specdec_rows_int8.argtypes = [ptr, ptr, i, i, ptr, i, ptr, i, ctypes.c_float]
     dll.specdec_matmul_amx(int(os.environ.get("SPECDEC_AMX", "1") != "0"))  # SPECDEC_AMX=0: VNNI only
     return dll
 
@@ -343,10 +343,11 @@ def rows_int8(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, dtyp
     (f32 or bf16): (q - 128) s, then times mul (an embedding scale), each rounded to dtype as the PyTorch ops
     quant.Int8Linear.rows(ids).to(dtype) * mul round them (matmul.c, specdec_rows_int8)."""
     ids = ids.to(torch.int64).contiguous()
-    K = codes.shape[1] * GROUP
+    N, K = codes.shape[0] * LANES, codes.shape[1] * GROUP
     out = torch.empty(*ids.shape, K, dtype=dtype)
-    matmul_lib().specdec_rows_int8(codes.data_ptr(), scales.data_ptr(), K, ids.data_ptr(), ids.numel(),
-                                   out.data_ptr(), DTYPES[dtype], mul)
+    if matmul_lib().specdec_rows_int8(codes.data_ptr(), scales.data_ptr(), N, K, ids.data_ptr(), ids.numel(),
+                                      out.data_ptr(), DTYPES[dtype], mul):
+        raise IndexError(f"a token id outside the vocabulary (0..{N - 1})")
     return out
 
 

@@ -671,7 +671,7 @@ static int run_unit(const void *q, long q_stride, const void *kv, const void *kt
 }
 
 /* q: T rows of H heads of D (row stride q_stride elements, head stride D); kv: one layer's values [Hkv, S, D], head
-   by head, S = 32 tiles; kt: its keys, in tiles [Hkv, tiles, D, 32] (their only copy: rope_store / store_keys write
+   by head, S = 32 x tiles; kt: its keys, in tiles [Hkv, tiles, D, 32] (their only copy: rope_store / store_keys write
    them).
    Row t attends the slots lo[t] .. hi[t] - 1, then tails[toff[t] .. toff[t + 1]) (at least one slot in all);
    out: [T, H, D] contiguous. D must be 16, 32, 64, 128 or 256. Returns 0, -1 when memory runs out, -2 for an
@@ -829,8 +829,8 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 /* RoPE (Su et al. 2021) on the query and key heads of qkv [T, H + 2 Hkv, D], in place: x cos + rotate_half(x) sin,
    rotate_half being a roll by D / 2 with its sign folded into sin (cos, sin: f32 [T, D], the rows of the tables of
    models/transformer.py's Rope at the T positions); then row t's value stored at slot slots[t] of one layer's
-   value cache kv [Hkv, S, D] (S = 32 tiles; rows of several sequences go to their own slots), and its key in the key tiles
-   kt [Hkv, tiles, D, 32], the keys' only copy. One call
+   value cache kv [Hkv, S, D] (S = 32 x tiles; rows of several sequences go to their own slots), and its key in the
+   key tiles kt [Hkv, tiles, D, 32], the keys' only copy. One call
    instead of the handful of small PyTorch ops a decode step would spend on it per layer. Each row is computed on
    its own, so batch invariance is kept. esize: bytes per element (2: bf16, 4: f32). */
 void specdec_rope_store(void *qkv, int T, int H, int Hkv, int D, const float *cos, const float *sin, void *kv,

@@ -860,7 +860,8 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
    when bf16, then times mul, rounded again, when mul != 1 (Gemma's embedding scale): the operations of the PyTorch
    path (quant.Int8Linear.rows, then the model's dtype and scale) in the same order, one call instead of ~8 small
    ops that cost a SmolLM2 decode step 0.17 ms (each op's code cold after the layers stream the weights;
-   docs/results/step-glue-1206.txt). Plain C: it needs no vector unit. */
+   docs/results/step-glue-1206.txt). Plain C: it needs no vector unit. Returns 0, or -1 (nothing written) when an id
+   is not one of the N rows. */
 static inline float bf16_round(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -869,9 +870,11 @@ static inline float bf16_round(float f) {
     return f;
 }
 
-void specdec_rows_int8(const uint8_t *w, const uint16_t *s, int K, const int64_t *ids, int n, void *out, int bf16,
-                       float mul) {
+int specdec_rows_int8(const uint8_t *w, const uint16_t *s, int N, int K, const int64_t *ids, int n, void *out,
+                      int bf16, float mul) {
     int G = K / GROUP;
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
     for (int i = 0; i < n; i++) {
         long id = (long)ids[i], lane = id % LANES;
         uint32_t su = (uint32_t)s[id] << 16;
@@ -891,6 +894,7 @@ void specdec_rows_int8(const uint8_t *w, const uint16_t *s, int K, const int64_t
             }
         }
     }
+    return 0;
 }
 
 /* H independent products y_h = x_h W_h^T, h = 0..H-1 (multi-head latent attention's absorbed per-head matrices,
