@@ -464,11 +464,11 @@ static inline __m256i bcast4(const int8_t *q) {
    (one VPMADDWD per row, group and half of the block: the s16 sums of a group's 4 x 2 instructions) and the minimum
    term (its own chain in both paths, so the same sums), in the same loop up to YM_FUSED_MAX rows (T = 1-3 products
    1.06-1.09x faster, beyond that spills; avx2-onepass-1206.txt), else after it. Both halves of the block (8 lanes
-   each) in one pass over its codes, each 64-byte line used whole when it arrives: a pass per half read the codes from memory in the first and
-   from L2 in the second, with the memory bus idle meanwhile (on Zen 2, 8B-shaped products at T = 1 17-20 -> 22-26
-   GB/s, docs/results/avx2-onepass-1206.txt). Inlined with nt a constant (block_int4 below): with nt known the row
-   loops unroll and the accumulators stay in registers; with nt a variable GCC 12 kept them on the stack (a load and
-   a store around every add) and branched on nt in the inner loop. */
+   each) in one pass over its codes, each 64-byte line used whole when it arrives: a pass per half read the codes
+   from memory in the first and from L2 in the second, with the memory bus idle meanwhile (on Zen 2, 8B-shaped
+   products at T = 1 17-20 -> 22-26 GB/s, docs/results/avx2-onepass-1206.txt). Inlined with nt a constant
+   (block_int4 below): with nt known the row loops unroll and the accumulators stay in registers; with nt a variable
+   GCC 12 kept them on the stack (a load and a store around every add) and branched on nt in the inner loop. */
 static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w, const uint16_t *s, const uint16_t *z,
                                                                int G, const int8_t *qx, const float *d,
                                                                const float *ds, int K, int t0, const int nt,
@@ -817,7 +817,8 @@ static int quantized_input(const void *x, int bf16, int T, int K, const float *n
 #endif
 
 /* y = x [T, K] W^T, W [N, K]. bits: 4 or 8. w: packed codes (see the header), s / z: bf16 scales / zeros laid out
-   [N/16, K/32, 16] (int4; z NULL: every zero is 0, symmetric weights) or s [N] (int8, z unused). x, y and residual are bf16 when bf16 != 0, else f32.
+   [N/16, K/32, 16] (int4; z NULL: every zero is 0, symmetric weights) or s [N] (int8, z unused). x, y and residual
+   are bf16 when bf16 != 0, else f32.
    norm: f32 [K] RMSNorm weight applied to x's rows first (eps inside the root), or NULL. swiglu: y [T, N/2] =
    silu(x Wg^T) * (x Wu^T) with Wg, Wu the first and second N/2 rows. residual: y = residual + x W^T, or NULL.
    Returns 0, -1 when out of memory, -2 when the shapes are not multiples of 16 rows / 32 inputs (32 rows with

@@ -382,6 +382,7 @@ class Transformer:
         if self.embed.out_features != args.vocab_size:
             raise ModelError(f"token_embd has {self.embed.out_features} rows, config says vocab {args.vocab_size}")
         self.output_norm = torch.stack([w.raw("output_norm")] * 2).to(dev, dtype)  # [2, dim], see rms_norm
+        self.output_norm_f32 = self.output_norm[0].float().contiguous()  # [dim], as forward.c's final norm takes it
         self.layers: list[Block] = []
         for i in range(args.n_layers):
             prefix = f"blk.{i}."
@@ -398,6 +399,7 @@ class Transformer:
         if args.rope_local_theta is not None:
             self.rope_local = Rope(rope_inv_freq(args.head_dim, args.rope_local_theta, None), self.max_len, dtype, dev)
         self.embed_scale = torch.tensor(args.embed_scale, dtype=dtype, device=dev)
+        self.embed_mul = float(self.embed_scale)  # the scale as rounded to dtype, for Int8Linear.lookup
         # the attention kernel where dtype, device and head size allow (MLA: over its latent slots, attend_latent)
         if args.attention == "mla":
             self.kernel = kernels.kernel_supports(dtype, dev, cache_shape(args)[1], args.kv_lora_rank)
@@ -503,7 +505,7 @@ class Transformer:
             feats[:, j * a.dim:(j + 1) * a.dim] = x[0]
         if (h is None and plan.kind == "kernel" and x.device.type == "cpu" and x.dtype in kernels.DTYPES
                 and kernels.forward_lib() is not None):
-            h = kernels.rms_norm(x, self._output_norm_f32(), a.norm_eps)  # forward.c's final norm, as fast paths do
+            h = kernels.rms_norm(x, self.output_norm_f32, a.norm_eps)  # forward.c's final norm, as fast paths do
         elif h is None:
             h = rms_norm(x, self.output_norm, a.norm_eps)
         logits = self.output(h if last is None else h[:, last]).float()
@@ -516,12 +518,6 @@ class Transformer:
             feats[:, -a.dim:] = h[0]
             return logits, feats[None]
         return logits, (x if a.mtp_layout == "mimo" else h)
-
-    def _output_norm_f32(self) -> torch.Tensor:
-        """The final norm's weight as forward.c takes it (f32 [dim]; cached)."""
-        if getattr(self, "_out_norm", None) is None:
-            self._out_norm = self.output_norm[0].float().contiguous()
-        return self._out_norm
 
     def fast_layers(self) -> torch.Tensor | None:
         """Every layer's record for kernels/forward.c (layer_records()) when the whole stack can run there; else
@@ -567,7 +563,7 @@ class Transformer:
             cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), plan.slots.data_ptr(),
             spans_f.data_ptr(), tails_f.data_ptr(), spans_s.data_ptr(), tails_s.data_ptr(), *lib.fns, len(aux),
             where[0].data_ptr(), where[1].data_ptr(), feats.data_ptr() if aux else None, feats.shape[1] if aux else 0,
-            self._output_norm_f32().data_ptr(), a.norm_eps, normed.data_ptr())
+            self.output_norm_f32.data_ptr(), a.norm_eps, normed.data_ptr())
         if rc != 0:
             raise MemoryError("a kernel ran out of memory") if rc == -1 else ValueError("kernel shapes")
         return x, normed
@@ -575,9 +571,7 @@ class Transformer:
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         lookup = getattr(self.embed, "lookup", None)
         if lookup is not None:  # an int8 table: one kernel call (quant.Int8Linear.lookup)
-            if not hasattr(self, "_embed_mul"):
-                self._embed_mul = float(self.embed_scale) if self.args.embed_scale != 1.0 else 1.0
-            return lookup(tokens, self.dtype, self._embed_mul)
+            return lookup(tokens, self.dtype, self.embed_mul)
         x = self.embed.rows(tokens).to(self.dtype)
         return x * self.embed_scale if self.args.embed_scale != 1.0 else x
 
