@@ -1,13 +1,17 @@
 """kernels' attention alone at SmolLM2's shapes (9 query heads, 3 KV heads, D = 64, bf16 storage), several builds of
 attention.c interleaved call by call in one process (the host drifts ~1.5x within minutes: only same-run ratios
 count): one chain of T rows after S cached slots, or B sequences of one row each; medians of 300 calls per build.
+With --layers N, each call runs N layers' caches in turn (a forward's pattern: each layer's cache cold, as after the
+matmuls stream the weights) and the time is per layer; the builds' outputs are compared bitwise (same=True/False).
 
     python docs/results/attention_bench.py NAME=FILE.c[:-DFLAG ...] [NAME=FILE.c ...]
     python docs/results/attention_bench.py old=/tmp/old/specdec/kernels/attention.c new=specdec/kernels/attention.c
+    python docs/results/attention_bench.py --layers 30 --cases 1500:1:1,1500:8:1,700:1:8 old=... new=...
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import statistics
 import subprocess
@@ -33,9 +37,9 @@ def build(spec: str, out: Path) -> ctypes.CDLL:
 
 def case(S: int, T: int, B: int) -> tuple[tuple, list[torch.Tensor]]:
     """specdec_attend's arguments for one case, and the tensors they point into."""
-    slots = B * (S + T) + 64
-    kv = torch.randn(1, slots, HKV, D).to(torch.bfloat16)
-    kt = torch.randn(HKV, -(-slots // 32), D, 32).to(torch.bfloat16)
+    slots = -(-(B * (S + T) + 64) // 32) * 32
+    kv = torch.randn(1, HKV, slots, D).to(torch.bfloat16)  # values head by head, as KVPool.values
+    kt = torch.randn(HKV, slots // 32, D, 32).to(torch.bfloat16)
     if B == 1:
         rows = [(0, S, list(range(S, S + t + 1))) for t in range(T)]
     else:
@@ -52,23 +56,36 @@ def case(S: int, T: int, B: int) -> tuple[tuple, list[torch.Tensor]]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("builds", nargs="+", help="NAME=FILE.c[:-DFLAG ...]")
+    ap.add_argument("--layers", type=int, default=1, help="caches of this many layers called in turn")
+    ap.add_argument("--cases", default=None, help="S:T:B,... (default: the shapes above)")
+    ap.add_argument("--calls", type=int, default=300)
+    a = ap.parse_args()
+    cases = [tuple(int(v) for v in c.split(":")) for c in a.cases.split(",")] if a.cases else CASES
     tmp = Path(tempfile.mkdtemp())
     libs = {}
-    for arg in sys.argv[1:]:
+    for arg in a.builds:
         name, spec = arg.split("=", 1)
         libs[name] = build(spec, tmp / f"{name}.so")
-    for S, T, B in CASES:
-        args, _keep = case(S, T, B)
+    for S, T, B in cases:
+        layers = [case(S, T, B) for _ in range(a.layers)]
+        outs = {n: torch.empty_like(layers[0][1][-1]) for n in libs}
         times: dict[str, list[float]] = {n: [] for n in libs}
-        for _ in range(300):
+        same = True
+        for _ in range(a.calls // a.layers or 1):
             for name, lib in libs.items():
                 t = time.perf_counter()
-                lib.specdec_attend(*args)
-                times[name].append(time.perf_counter() - t)
+                for args, _keep in layers:
+                    lib.specdec_attend(*args)
+                times[name].append((time.perf_counter() - t) / a.layers)
+                outs[name].copy_(layers[-1][1][-1])
+            first = next(iter(outs.values()))
+            same = same and all(torch.equal(o, first) for o in outs.values())
         med = {n: statistics.median(v) for n, v in times.items()}
         base = next(iter(med.values()))
         flop = 4 * H * D * (B * S + (T * (T + 1) // 2 if B == 1 else B) + (S * (T - 1) if B == 1 else 0))
-        print(f"S {S} T {T} B {B}: " + "  ".join(
+        print(f"S {S} T {T} B {B}{f' same={same}' if len(libs) > 1 else ''}: " + "  ".join(
             f"{n} {m * 1e6:.1f} us ({base / m:.2f}x, {flop / m / 1e9:.0f} GFLOP/s)" for n, m in med.items()),
             flush=True)
 

@@ -245,7 +245,10 @@ typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef float vf8_u __attribute__((vector_size(32), aligned(4)));
 SELECT(vselect8, vf8, vi8)
-EXP_NONPOS(exp_nonpos8, vf8, vi8, vselect8)
+#include "vexp.h" /* exp_nonpos8: the operations of EXP_NONPOS (bitwise: every float in [-104, 0] checked), in
+                      fewer instructions (a rounding for the floor, a max for the clamp): 1.02-1.04x at 300-1500
+                      cached slots (docs/results/attention-t1-1206f.txt) */
+static inline vf8 exp8(vf8 x) { return (vf8)exp_nonpos8((__m256)x); }
 static inline vf8 load8(const float *p) { return *(const vf8_u *)p; }
 static inline void store8(float *p, vf8 x) { *(vf8_u *)p = x; }
 
@@ -269,13 +272,13 @@ static void softmax_part(rowhead *rh, long base) {
         m = mv0[l] > m ? mv0[l] : m;
     vf8 s0 = {0}, s1 = {0};
     for (long j = 0; j < full; j += W) {
-        vf8 e0 = exp_nonpos8(load8(sg + j) - m), e1 = exp_nonpos8(load8(sg + j + 8) - m);
+        vf8 e0 = exp8(load8(sg + j) - m), e1 = exp8(load8(sg + j + 8) - m);
         store8(sg + j, e0), store8(sg + j + 8, e1);
         s0 += e0, s1 += e1;
     }
     if (full < n) {
-        vf8 e0 = vselect8(tail0, exp_nonpos8(load8(sg + full) - m), (vf8){0});
-        vf8 e1 = vselect8(tail1, exp_nonpos8(load8(sg + full + 8) - m), (vf8){0});
+        vf8 e0 = vselect8(tail0, exp8(load8(sg + full) - m), (vf8){0});
+        vf8 e1 = vselect8(tail1, exp8(load8(sg + full + 8) - m), (vf8){0});
         store8(sg + full, e0), store8(sg + full + 8, e1);
         s0 += e0, s1 += e1;
     }
@@ -294,7 +297,10 @@ static void softmax_part(rowhead *rh, long base) {
 #else /* AVX2's 16 registers (see ATTEND_HOT below): 6 pairs x 16 keys or columns a pass, 12 accumulators (the
          6 x 16 shape of AVX2 sgemm micro-kernels), against 3 x 32 / 2 x 32 before: a key tile or value row widened
          from bf16 half as often per fused multiply-add, no spill; an 8-row SmolLM2 chain's attention at 700 cached
-         slots 1.55x faster, 8 sequences' rows 1.28x (docs/results/attention-6x16.txt) */
+         slots 1.55x faster, 8 sequences' rows 1.28x (docs/results/attention-6x16.txt). 1-3 pairs (a decode step of
+         a model with 3 query heads a KV head) run 3 x 32 instead, keeping 12 fused multiply-add chains in flight: with
+         6 (3 x 16) they waited on the FMA latency (5 cycles on Zen 2; a values pass from L2 ran 1.2 FMAs a cycle),
+         and a step's attention at 1500 cached slots took 1.14x as long (docs/results/attention-t1-1206f.txt) */
 #ifndef MAX_R
 #define MAX_R 6
 #endif
@@ -404,24 +410,37 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
                                                                     int D, float scale, rowhead *rh, long at) {    \
         const T_ *kt0 = kt;                                                                                        \
         const float *qt0 = qt;                                                                                     \
-        for (int h0 = 0; h0 < 4; h0 += SCORES_NK) { /* SCORES_NK vectors of 8 keys a pass */                       \
-            __m256 a[MAX_R][SCORES_NK];                                                                            \
+        /* vectors of 8 keys a pass: 1-3 pairs (T = 1 with 3 query heads a KV head) take the whole tile, so their  \
+           12 FMA chains (not 6) hide the FMA latency; 4-6 pairs have 8-12 with SCORES_NK = 2 */                    \
+        const int NK = R <= 3 ? 4 : SCORES_NK;                                                                     \
+        for (int h0 = 0; h0 < 4; h0 += NK) {                                                                       \
+            __m256 a[MAX_R][4];                                                                                    \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                   \
-                _Pragma("GCC unroll 4") for (int c = 0; c < SCORES_NK; c++) a[r][c] = _mm256_setzero_ps();         \
+                _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++) a[r][c] = _mm256_setzero_ps();                \
             qt = qt0;                                                                                              \
             for (int d = 0; d < D; d++, qt += R) {                                                                 \
                 const T_ *k = kt0 + d * BLOCK + 8 * h0;                                                            \
-                __m256 x[SCORES_NK];                                                                               \
-                _Pragma("GCC unroll 4") for (int c = 0; c < SCORES_NK; c++) x[c] = LD8(k + 8 * c);                 \
+                if (R <= 3) { /* each query element broadcast once, the tile's vectors one at a time: 16 registers */ \
+                    __m256 qv[3];                                                                                  \
+                    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) qv[r] = _mm256_broadcast_ss(qt + r);      \
+                    _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++) {                                         \
+                        __m256 x = LD8(k + 8 * c);                                                                 \
+                        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                       \
+                            a[r][c] = _mm256_fmadd_ps(qv[r], x, a[r][c]);                                          \
+                    }                                                                                              \
+                    continue;                                                                                      \
+                }                                                                                                  \
+                __m256 x[4];                                                                                       \
+                _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++) x[c] = LD8(k + 8 * c);                        \
                 _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                             \
                     __m256 qv = _mm256_broadcast_ss(qt + r);                                                       \
-                    _Pragma("GCC unroll 4") for (int c = 0; c < SCORES_NK; c++)                                    \
+                    _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++)                                           \
                         a[r][c] = _mm256_fmadd_ps(qv, x[c], a[r][c]);                                              \
                 }                                                                                                  \
             }                                                                                                      \
             const __m256 sc = _mm256_set1_ps(scale);                                                               \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                   \
-                _Pragma("GCC unroll 4") for (int c = 0; c < SCORES_NK; c++)                                        \
+                _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++)                                               \
                     _mm256_storeu_ps(rh[r].s + at + 8 * (h0 + c), _mm256_mul_ps(a[r][c], sc));                     \
         }                                                                                                          \
     }                                                                                                              \
@@ -431,6 +450,16 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
     static inline __attribute__((always_inline)) void step_##NAME(const int R, const int NV, __m256 (*acc)[4],     \
                                                                   const T_ *v, const float **pr, const long *ra,   \
                                                                   const long *rb, long j, int only) {              \
+        if (R <= 3) { /* as the scores': each weight broadcast once, the row's NV = 4 vectors one at a time */    \
+            __m256 p[3];                                                                                           \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) p[r] = _mm256_broadcast_ss(pr[r] + j);            \
+            _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++) {                                                 \
+                __m256 x = LD8(v + 8 * c);                                                                         \
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) if (only || (j >= ra[r] && j < rb[r]))        \
+                    acc[r][c] = _mm256_fmadd_ps(p[r], x, acc[r][c]);                                               \
+            }                                                                                                      \
+            return;                                                                                                \
+        }                                                                                                          \
         __m256 x[4];                                                                                               \
         _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++) x[c] = LD8(v + 8 * c);                                \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) if (only || (j >= ra[r] && j < rb[r])) {              \
@@ -443,7 +472,7 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
        slots in slot order (the slots every pair attends without a test), then each pair's tail slots in order. */ \
     static inline __attribute__((always_inline)) void values_##NAME(const int R, const int CV, const T_ *v,        \
                                                                     long stride, rowhead *rh, int col) {           \
-        const int NV = CV == 1 ? 2 : VALUES_NV;                                                                    \
+        const int NV = CV == 1 ? 2 : R <= 3 ? 4 : VALUES_NV; /* 1-3 pairs: 12 chains, as the scores' */          \
         const float *pr[MAX_RV];                                                                                   \
         long ra[MAX_RV], rb[MAX_RV], lo = 1L << 62, hi = 0, all0 = 0, all1 = 1L << 62;                             \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                     \
