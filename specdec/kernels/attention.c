@@ -300,7 +300,7 @@ static void softmax_part(rowhead *rh, long base) {
          slots 1.55x faster, 8 sequences' rows 1.28x (docs/results/attention-6x16.txt). 1-3 pairs (a decode step of
          a model with 3 query heads a KV head) run 3 x 32 instead, keeping 12 fused multiply-add chains in flight: with
          6 (3 x 16) they waited on the FMA latency (5 cycles on Zen 2; a values pass from L2 ran 1.2 FMAs a cycle),
-         and a step's attention at 1500 cached slots took 1.14x as long (docs/results/attention-t1-1206f.txt) */
+         and a step's attention at 1500 cached slots took 1.17x as long (docs/results/attention-t1-1206f.txt) */
 #ifndef MAX_R
 #define MAX_R 6
 #endif
