@@ -15,7 +15,6 @@ import argparse
 import ctypes
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
