@@ -251,7 +251,11 @@ def test_auto_drafts_from_earlier_responses(server, reference):
            for _ in range(2)]
     assert [o["choices"][0]["message"]["content"] for o in out] == [want, want]
     second = out[1]["timings"]["draft_sources"]
-    assert second.get("global", {}).get("draft_n_accepted", 0) > 10, second
+    g = second.get("global", {})
+    # how much the policy drafts follows this machine's measured verify costs (32 tokens from the earlier answer
+    # alone, 9 with the suite's other worker running beside it); what holds whatever the timing: the earlier answer
+    # is drafted from, and its drafts are accepted (the answer repeats exactly)
+    assert g.get("draft_n_accepted", 0) >= 3 and g["draft_n_accepted"] >= g["draft_n"] - 1, second
 
 
 def test_n_choices(server, client, target, reference, monkeypatch):
