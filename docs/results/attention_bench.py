@@ -54,14 +54,25 @@ def case(S: int, T: int, B: int) -> tuple[tuple, list[torch.Tensor]]:
     return args, [qkv, kv, kt, spans, tails, out]
 
 
+def parse_cases(text: str) -> list[tuple[int, int, int]]:
+    """--cases "S:T:B,..." -> [(S, T, B), ...] (an argparse type: a bad value is a one-line usage error)."""
+    try:
+        cases = [tuple(int(v) for v in c.split(":")) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected S:T:B,... with integers, not {text!r}") from None
+    if any(len(c) != 3 or min(c) < 1 for c in cases):
+        raise argparse.ArgumentTypeError(f"expected S:T:B,... with S, T, B >= 1, not {text!r}")
+    return cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("builds", nargs="+", help="NAME=FILE.c[:-DFLAG ...]")
     ap.add_argument("--layers", type=int, default=1, help="caches of this many layers called in turn")
-    ap.add_argument("--cases", default=None, help="S:T:B,... (default: the shapes above)")
+    ap.add_argument("--cases", default=None, type=parse_cases, help="S:T:B,... (default: the shapes above)")
     ap.add_argument("--calls", type=int, default=300)
     a = ap.parse_args()
-    cases = [tuple(int(v) for v in c.split(":")) for c in a.cases.split(",")] if a.cases else CASES
+    cases = a.cases or CASES
     tmp = Path(tempfile.mkdtemp())
     libs = {}
     for arg in a.builds:
