@@ -263,3 +263,27 @@ def test_final_norm_in_c_is_rms_norm(dtype):
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
     one = kernels.rms_norm(x[:, 3:4].clone(), w.float().contiguous(), 1e-5)
     assert torch.equal(one[0, 0], got[0, 3])
+
+
+@pytest.mark.parametrize("T", [1, 3, 9])
+def test_int8_extreme_codes_are_exact(T):
+    """int8 codes at both ends (-128, which GGUF Q8_0 blocks may hold, and 127) against activation codes of +-127
+    (rows of one magnitude): the largest pair sums AVX2's VPMADDUBSW forms (2 x 128 x 127), which must not saturate.
+    The kernel's output is the exact integer dot product rescaled (f32 sums: 1e-5)."""
+    n, k = 48, 128
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int64)
+    q[:16] = -128
+    q[16:24] = torch.where(torch.arange(k) % 2 == 0, -128, 127)
+    q[24:32] = 127
+    scale = torch.rand(n, generator=g).bfloat16() + 0.5
+    x = torch.where(torch.rand(T, k, generator=g) < 0.5, -1.0, 1.0)
+    x[0, :64] = 1.0  # a row whose codes are all +127, then all -127 against the -128 rows
+    x[0, 64:] = -1.0
+    if T > 1:
+        x[1:] *= torch.rand(T - 1, 1, generator=g) + 0.5
+    y = kernels.matmul(x, 8, kernels.pack_int8(q.to(torch.int8)), scale, None, n)
+    qx, d = quantized_rows(x)
+    dot = torch.einsum("tgj,ngj->tng", qx, q.double().reshape(n, -1, 32))
+    ref = (d[:, None, :, 0] * dot).sum(-1) * scale.double()[None]
+    torch.testing.assert_close(y.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import statistics
 import subprocess
 import tempfile
@@ -30,13 +29,7 @@ def build(source: Path, out: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL
     AMX on as matmul_lib() turns it on."""
     subprocess.run(["cc", *kernels.FLAGS, *(f"-D{d}" for d in defines), "-I", str(kernels.SOURCE.parent), "-o",
                     str(out), str(source)], check=True)
-    dll = ctypes.CDLL(str(out))
-    ptr, i = ctypes.c_void_p, ctypes.c_int
-    dll.specdec_matmul.restype = i
-    dll.specdec_matmul.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, i, ptr, ctypes.c_float, i, ptr]
-    dll.specdec_matmul_amx.argtypes = [i]
-    dll.specdec_matmul_amx(int(os.environ.get("SPECDEC_AMX", "1") != "0"))
-    return dll
+    return kernels.declare_matmul(ctypes.CDLL(str(out)))
 
 
 def per_call_us(f, budget: float = 0.02) -> float:

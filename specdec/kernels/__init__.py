@@ -215,13 +215,18 @@ def matmul_lib() -> ctypes.CDLL | None:
     dll = _build("matmul", "PyTorch's weight-only int4/int8 kernels, which make decoding slower")
     if dll is None or not dll.specdec_matmul_supported():
         return None
-    f = dll.specdec_matmul
-    f.restype = ctypes.c_int
+    return declare_matmul(dll)
+
+
+def declare_matmul(dll: ctypes.CDLL) -> ctypes.CDLL:
+    """A loaded build of matmul.c with its functions' argument types set, and AMX on where there is AMX (also for
+    other builds of it: docs/results' A/B scripts)."""
     ptr, i = ctypes.c_void_p, ctypes.c_int
-    f.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, i, ptr, ctypes.c_float, i, ptr]
-    dll.specdec_matmul_heads.restype = ctypes.c_int
+    dll.specdec_matmul.restype = i
+    dll.specdec_matmul.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, i, ptr, ctypes.c_float, i, ptr]
+    dll.specdec_matmul_heads.restype = i
     dll.specdec_matmul_heads.argtypes = [ptr, i, i, i, i, i, ptr, ptr, ptr, ptr, i]
-    dll.specdec_experts.restype = ctypes.c_int
+    dll.specdec_experts.restype = i
     dll.specdec_experts.argtypes = [ptr, i, i, i, ptr, i, i, i, i, ptr, ptr, ptr, i]
     dll.specdec_matmul_amx.restype = i
     dll.specdec_matmul_amx.argtypes = [i]

@@ -88,8 +88,9 @@
 #if AMX_MIN_ROWS < 10
 #error "AMX_CASES below instantiates tile heights 10..16 only"
 #endif
-#else /* AVX2: 16 vector registers, not 32; both halves of a block a pass, int8 keeps two accumulators per row, int4's
-         minimum term fused up to 3 rows (docs/results/avx2-matmul.txt; docs/results/avx2-onepass-1206.txt) */
+#else /* AVX2: 16 vector registers, not 32; both halves of a block a pass, int4's minimum term fused up to 3 rows
+         (docs/results/avx2-matmul.txt; docs/results/avx2-onepass-1206.txt); int8 3 rows a pass (2 and 4 measured
+         within 3% of 3 for the SmolLM2 head, docs/results/int8-sign-1206g.txt) */
 #define ROWS4 AVX2_ROWS4
 #define ROWS8 AVX2_ROWS8
 #define YM_FUSED_MAX AVX2_YM_FUSED_MAX
@@ -125,6 +126,20 @@
         else                                                                                                          \
             _mm_prefetch((p), _MM_HINT_T0);                                                                           \
     } while (0)
+
+/* T activation rows quantized to int8 (quantize_rows): codes q [T, K]; per row and group of 32 inputs the scale
+   d [T, G] (max|x| / 127), the codes' sum [T, G] and ds = d sum [T, G]; per row c [T] = sum over groups of 128 ds (the
+   int8 weights' offset, see the header). */
+typedef struct {
+    int8_t *q;
+    float *d, *ds, *c;
+    int32_t *sum;
+} qrows;
+
+/* rows r0, r0 + 1, ... of x (G groups of K inputs a row) */
+static inline qrows qrows_at(const qrows *x, long r0, int G, int K) {
+    return (qrows){x->q + r0 * K, x->d + r0 * G, x->ds + r0 * G, x->c + r0, x->sum + r0 * G};
+}
 
 /* Which path this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 none (the kernel is not used). */
 int specdec_matmul_supported(void) { return HAVE_VNNI ? 2 : HAVE_AVX2; }
@@ -188,11 +203,11 @@ static inline __m512 load_out(const void *p, int bf16, long i) {
     return bf16 ? load_bf16x16((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
 }
 
-/* Quantize x [T, K] (f32 or bf16), RMS-normalized first when norm (f32 [K]) is given, to int8 codes qx [T, K]
-   (round to nearest even, as nearbyintf), scales d [T, K/32] (max|x| / 127), ds [T, K/32] = d * (sum of the group's
-   codes), and per row c [T] = sum over groups of 128 ds (the int8 weights' offset, see the header). */
-static void quantize_rows(const void *x, int bf16, int T, int K, const float *norm, float eps, int8_t *qx, float *d,
-                          float *ds, float *c) {
+/* Quantize x [T, K] (f32 or bf16), RMS-normalized first when norm (f32 [K]) is given, into o (see qrows; codes round
+   to nearest even, as nearbyintf). */
+static void quantize_rows(const void *x, int bf16, int T, int K, const float *norm, float eps, const qrows *o) {
+    int8_t *qx = o->q;
+    float *d = o->d, *ds = o->ds, *c = o->c;
     int G = K / GROUP;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int t = 0; t < T; t++) {
@@ -219,7 +234,9 @@ static void quantize_rows(const void *x, int bf16, int T, int K, const float *no
             _mm_storeu_si128((__m128i *)(qx + (long)t * K + k + LANES), _mm512_cvtsepi32_epi8(q1));
             float dg = amax / 127.0f;
             d[(long)t * G + g] = dg;
-            ds[(long)t * G + g] = dg * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            o->sum[(long)t * G + g] = sum;
+            ds[(long)t * G + g] = dg * (float)sum;
             c[t] += 128.0f * ds[(long)t * G + g];
         }
     }
@@ -317,7 +334,9 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
 
 static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w, const uint16_t *s, int G,
                                                                const int8_t *qx, const float *d, const float *c,
-                                                               int K, int t0, const int nt, float *acc_out) {
+                                                               const int32_t *sum, int K, int t0, const int nt,
+                                                               float *acc_out) {
+    (void)sum; /* VPDPBUSD takes the unsigned codes as they are */
     __m512 y[ROWS8];
     for (int r = 0; r < ROWS8; r++) y[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
@@ -352,8 +371,8 @@ static inline void out16(const float *acc, const float *up, const void *residual
    at a time. There is no VPDPBUSD: VPMADDUBSW multiplies u8 weight codes by s8 activation codes and adds pairs into
    s16, VPMADDWD by ones adds those pairs into s32. The s16 sums stay exact: an int4 code is at most 15 and an
    activation code at most 127 in magnitude, so one s16 slot, summing 2 products for each of a group's 8
-   instructions (16 products), stays within 16 x 15 x 127 = 30480 < 32767; int8 codes (q + 128, up to 255) are
-   split into their two nibbles, each summed like an int4 code (16 hi + lo, in s32). So every group's dot product
+   instructions (16 products), stays within 16 x 15 x 127 = 30480 < 32767; int8 codes (q + 128, up to 255) go
+   through their signed value q and its sign (block_int8_n below). So every group's dot product
    is the exact integer VPDPBUSD gives, and the float operations on it are the AVX-512 path's, in the same order
    (the minimum term of int4 accumulates in its own chain there too, so here it runs as its own pass); the RMSNorm
    sum reduces in _mm512_reduce_add_ps's order. A block of 16 outputs runs as two halves of 8 lanes. */
@@ -387,8 +406,9 @@ static inline int reduce_add8i(__m256i v) {
 }
 
 /* quantize_rows of the AVX-512 path (see there), 8 lanes at a time */
-static void quantize_rows(const void *x, int bf16, int T, int K, const float *norm, float eps, int8_t *qx, float *d,
-                          float *ds, float *c) {
+static void quantize_rows(const void *x, int bf16, int T, int K, const float *norm, float eps, const qrows *o) {
+    int8_t *qx = o->q;
+    float *d = o->d, *ds = o->ds, *c = o->c;
     int G = K / GROUP;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' 128-bit interleave */
@@ -420,7 +440,8 @@ static void quantize_rows(const void *x, int bf16, int T, int K, const float *no
             float dg = amax / 127.0f;
             d[(long)t * G + g] = dg;
             __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            ds[(long)t * G + g] = dg * (float)reduce_add8i(sum);
+            o->sum[(long)t * G + g] = reduce_add8i(sum);
+            ds[(long)t * G + g] = dg * (float)o->sum[(long)t * G + g];
             c[t] += 128.0f * ds[(long)t * G + g];
         }
     }
@@ -523,12 +544,19 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
             _mm256_storeu_ps(acc_out + r * LANES + 8 * h, _mm256_add_ps(y[h][r], ym[h][r]));
 }
 
-/* block_int8 of the AVX-512 path for rows [t0, t0 + nt), nt <= ROWS8: each code u = 16 hi + lo; both halves in one
-   pass and inlined with nt a constant, as block_int4_n */
+/* block_int8 of the AVX-512 path for rows [t0, t0 + nt), nt <= ROWS8, with the integer dot product of the unsigned
+   codes u = q + 128 taken as sum(q qx) + 128 sum(qx) (the codes' sum: quantize_rows): VPMADDUBSW multiplies the
+   magnitudes |q| (u8, at most 128) by the activation codes with q's sign (VPSIGNB; at most 127 in magnitude), so each
+   s16 pair sum is at most 2 x 128 x 127 = 32512, exact (llama.cpp's mul_sum_i8_pairs), and VPMADDWD by ones adds
+   the pairs into s32. The same integer as VPDPBUSD's, so the same float operations follow. Against splitting each
+   code into its nibbles (two VPMADDUBSW a vector, as int4) SmolLM2's 49152 x 576 head took 1.11-1.23x less time at
+   T = 1-16 (docs/results/int8-sign-1206g.txt). Both halves in one pass and inlined with nt a constant, as
+   block_int4_n. */
 static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w, const uint16_t *s, int G,
                                                                const int8_t *qx, const float *d, const float *c,
-                                                               int K, int t0, const int nt, float *acc_out) {
-    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+                                                               const int32_t *sum, int K, int t0, const int nt,
+                                                               float *acc_out) {
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     __m256 y[2][ROWS8];
     for (int h = 0; h < 2; h++)
         for (int r = 0; r < ROWS8; r++) y[h][r] = _mm256_setzero_ps();
@@ -537,25 +565,24 @@ static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w,
 #if PREFETCH
         for (int j = 0; j < 8; j++) _mm_prefetch((const char *)(wg + 2 * PREFETCH + 64 * j), _MM_HINT_T0);
 #endif
-        __m256i ah[2][ROWS8], al[2][ROWS8];
+        __m256i a[2][ROWS8];
         for (int h = 0; h < 2; h++)
-            for (int r = 0; r < ROWS8; r++) ah[h][r] = al[h][r] = _mm256_setzero_si256();
-        _Pragma("GCC unroll 2") /* as block_int4_n; 2 steps at a time measured ~5% faster than 1 */
+            for (int r = 0; r < ROWS8; r++) a[h][r] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 2") /* as block_int4_n; 1, 2 or 4 steps at a time measured the same, 8 slower */
         for (int i = 0; i < 8; i++)
             for (int h = 0; h < 2; h++) {
-                __m256i p = _mm256_loadu_si256((const __m256i *)(wg + 64 * i + 32 * h));
-                __m256i ul = _mm256_and_si256(p, lo), uh = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo);
+                __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + 64 * i + 32 * h)), flip);
+                __m256i mag = _mm256_abs_epi8(q); /* -128 -> 128 as u8 */
                 for (int r = 0; r < nt; r++) {
-                    __m256i b = bcast4(qx + (long)(t0 + r) * K + (long)g * GROUP + 4 * i);
-                    ah[h][r] = _mm256_add_epi16(ah[h][r], _mm256_maddubs_epi16(uh, b));
-                    al[h][r] = _mm256_add_epi16(al[h][r], _mm256_maddubs_epi16(ul, b));
+                    __m256i b = _mm256_sign_epi8(bcast4(qx + (long)(t0 + r) * K + (long)g * GROUP + 4 * i), q);
+                    a[h][r] = _mm256_add_epi32(a[h][r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, b), ones));
                 }
             }
         for (int h = 0; h < 2; h++)
             for (int r = 0; r < nt; r++) {
-                __m256i a = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(ah[h][r], ones), 4),
-                                             _mm256_madd_epi16(al[h][r], ones));
-                y[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(d[(long)(t0 + r) * G + g]), y[h][r]);
+                long at = (long)(t0 + r) * G + g;
+                __m256i dot = _mm256_add_epi32(a[h][r], _mm256_set1_epi32(128 * sum[at]));
+                y[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[at]), y[h][r]);
             }
     }
     for (int h = 0; h < 2; h++) {
@@ -586,8 +613,8 @@ static void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, i
 }
 
 static void block_int8(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d, const float *c,
-                       int K, int t0, int nt, float *acc_out) {
-#define CALL8(n) block_int8_n(w, s, G, qx, d, c, K, t0, (n) < ROWS8 ? (n) : ROWS8, acc_out)
+                       const int32_t *sum, int K, int t0, int nt, float *acc_out) {
+#define CALL8(n) block_int8_n(w, s, G, qx, d, c, sum, K, t0, (n) < ROWS8 ? (n) : ROWS8, acc_out)
     ROW_CASES(CALL8)
 #undef CALL8
 }
@@ -766,7 +793,9 @@ static void block_int8_amx(const uint8_t *w, const uint16_t *s, int G, const int
 
 /* One block of 16 weight rows, all T rows of x: acc [T, 16]. */
 static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, int bits, int G, long b,
-                      const int8_t *qx, const float *d, const float *ds, const float *c, int K, int T, float *acc) {
+                      const qrows *x, int K, int T, float *acc) {
+    const int8_t *qx = x->q;
+    const float *d = x->d, *ds = x->ds, *c = x->c;
     long wblock = (long)G * (bits == 4 ? 256 : 512); /* bytes of codes per block of 16 rows */
 #if HAVE_AMX
     int t_amx = 0; /* rows done on tiles of 16, then one of AMX_MIN_ROWS..15 rows; the rest below on VNNI (fewer rows
@@ -794,23 +823,31 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
             block_int4(w + b * wblock, s + b * G * LANES, z ? z + b * G * LANES : NULL, G, qx, d, ds, K, t0, nt,
                        acc + t0 * LANES);
         else
-            block_int8(w + b * wblock, s + b * LANES, G, qx, d, c, K, t0, nt, acc + t0 * LANES);
+            block_int8(w + b * wblock, s + b * LANES, G, qx, d, c, x->sum, K, t0, nt, acc + t0 * LANES);
         t0 += nt;
     }
 }
 
-/* The T activation rows quantized (quantize_rows) into new buffers (the caller frees them); -1 when memory runs out. */
-static int quantized_input(const void *x, int bf16, int T, int K, const float *norm, float eps, int8_t **qx,
-                           float **d, float **ds, float **c) {
-    int G = K / GROUP;
-    *qx = malloc((size_t)T * K);
-    *d = malloc(sizeof(float) * (size_t)T * G), *ds = malloc(sizeof(float) * (size_t)T * G);
-    *c = calloc((size_t)T, sizeof(float));
-    if (!*qx || !*d || !*ds || !*c) {
-        free(*qx), free(*d), free(*ds), free(*c);
+static void qrows_free(qrows *o) { free(o->q), free(o->d), free(o->ds), free(o->c), free(o->sum); }
+
+/* Buffers for T rows of K inputs (zeroed; qrows_free frees them); -1 when memory runs out (nothing left allocated). */
+static int qrows_alloc(qrows *o, int T, int K) {
+    size_t n = (size_t)T * (K / GROUP);
+    *o = (qrows){calloc((size_t)T, K), calloc(n, sizeof(float)), calloc(n, sizeof(float)),
+                 calloc((size_t)T, sizeof(float)), calloc(n, sizeof(int32_t))};
+    if (o->q && o->d && o->ds && o->c && o->sum)
+        return 0;
+    qrows_free(o);
+    *o = (qrows){0};
+    return -1;
+}
+
+/* The T activation rows quantized (quantize_rows) into new buffers (the caller frees them: qrows_free); -1 when
+   memory runs out. */
+static int quantized_input(const void *x, int bf16, int T, int K, const float *norm, float eps, qrows *o) {
+    if (qrows_alloc(o, T, K))
         return -1;
-    }
-    quantize_rows(x, bf16, T, K, norm, eps, *qx, *d, *ds, *c);
+    quantize_rows(x, bf16, T, K, norm, eps, o);
     return 0;
 }
 
@@ -829,9 +866,8 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
 #if HAVE_KERNEL
     if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || (bits != 4 && bits != 8) || T < 1) return -2;
     int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N;
-    int8_t *qx;
-    float *d, *ds, *c;
-    if (quantized_input(x, bf16, T, K, norm, eps, &qx, &d, &ds, &c)) return -1;
+    qrows in;
+    if (quantized_input(x, bf16, T, K, norm, eps, &in)) return -1;
     int failed = 0;
     _Pragma("omp parallel reduction(| : failed)") {
         AMX_FRESH;
@@ -839,15 +875,15 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
         if (!acc) failed = 1;
         _Pragma("omp for schedule(static)") for (int b = 0; b < (swiglu ? blocks / 2 : blocks); b++) {
             if (!acc) continue;
-            block_all(w, s, z, bits, G, b, qx, d, ds, c, K, T, acc);
-            if (swiglu) block_all(w, s, z, bits, G, b + blocks / 2, qx, d, ds, c, K, T, acc + T * LANES);
+            block_all(w, s, z, bits, G, b, &in, K, T, acc);
+            if (swiglu) block_all(w, s, z, bits, G, b + blocks / 2, &in, K, T, acc + T * LANES);
             for (int t = 0; t < T; t++)
                 out16(acc + t * LANES, swiglu ? acc + (T + t) * LANES : NULL, residual, y, bf16,
                       (long)t * n_out + (long)b * LANES);
         }
         free(acc);
     }
-    free(qx), free(d), free(ds), free(c);
+    qrows_free(&in);
     return failed ? -1 : 0;
 #else
     (void)x, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)z, (void)y, (void)bf16, (void)norm;
@@ -908,9 +944,8 @@ int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, co
 #if HAVE_KERNEL
     if (K % GROUP || N % LANES || (bits != 4 && bits != 8) || T < 1 || H < 1) return -2;
     int G = K / GROUP, blocks = N / LANES;
-    int8_t *qx;
-    float *d, *ds, *c;
-    if (quantized_input(x, bf16, H * T, K, NULL, 0.0f, &qx, &d, &ds, &c)) return -1;
+    qrows in;
+    if (quantized_input(x, bf16, H * T, K, NULL, 0.0f, &in)) return -1;
     int failed = 0;
     _Pragma("omp parallel reduction(| : failed)") {
         AMX_FRESH;
@@ -919,13 +954,14 @@ int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, co
         _Pragma("omp for schedule(static)") for (long i = 0; i < (long)H * blocks; i++) {
             if (!acc) continue;
             long h = i / blocks, b = i % blocks, r0 = h * (long)T;
-            block_all(w[h], s[h], z[h], bits, G, b, qx + r0 * K, d + r0 * G, ds + r0 * G, c + r0, K, T, acc);
+            qrows rows = qrows_at(&in, r0, G, K);
+            block_all(w[h], s[h], z[h], bits, G, b, &rows, K, T, acc);
             for (int t = 0; t < T; t++)
                 out16(acc + t * LANES, NULL, NULL, y, bf16, (r0 + t) * N + b * LANES);
         }
         free(acc);
     }
-    free(qx), free(d), free(ds), free(c);
+    qrows_free(&in);
     return failed ? -1 : 0;
 #else
     (void)x, (void)H, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)z, (void)y, (void)bf16;
@@ -950,17 +986,15 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
     int n = R * k, G1 = D / GROUP, G2 = I / GROUP, esize = bf16 ? 2 : 4;
     int *count = calloc((size_t)E + 1, sizeof(int)), *order = malloc(sizeof(int) * (size_t)n);
     int *first = malloc(sizeof(int) * ((size_t)E + 1)), *used = malloc(sizeof(int) * ((size_t)E + 1));
-    int8_t *qx = NULL, *qs = malloc((size_t)n * D), *qa = NULL;
-    float *d = NULL, *ds = NULL, *c = NULL, *da = NULL, *dsa = NULL, *ca = NULL;
-    float *sd = malloc(sizeof(float) * (size_t)n * G1), *sds = malloc(sizeof(float) * (size_t)n * G1);
-    float *sc = malloc(sizeof(float) * (size_t)n);
+    qrows in = {0}, srt = {0}, act = {0}; /* the rows; each slot's row, by expert; the products, by expert */
     char *a = malloc((size_t)n * I * esize);
-    int failed = !count || !order || !first || !used || !qs || !sd || !sds || !sc || !a;
+    int failed = !count || !order || !first || !used || !a || qrows_alloc(&srt, n, D);
     for (int s = 0; s < n && !failed; s++)
         failed = ids[s] < 0 || ids[s] >= E;
-    if (failed || quantized_input(x, bf16, R, D, NULL, 0.0f, &qx, &d, &ds, &c)) {
-        free(count), free(order), free(first), free(used), free(qs), free(sd), free(sds), free(sc), free(a);
-        return failed == 1 && count && order && first && used && qs && sd && sds && sc && a ? -2 : -1;
+    if (failed || quantized_input(x, bf16, R, D, NULL, 0.0f, &in)) {
+        int shapes = failed == 1 && count && order && first && used && a && srt.q;
+        free(count), free(order), free(first), free(used), free(a), qrows_free(&srt);
+        return shapes ? -2 : -1;
     }
     /* slots by expert (a counting sort: stable, so rows stay in order within an expert), and the experts used */
     for (int s = 0; s < n; s++)
@@ -977,12 +1011,13 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
         order[count[ids[s]]++] = s; /* count[e] ends at first[e + 1] */
     for (int i = 0; i < n; i++) { /* the slots' quantized rows, in sorted order */
         int r = order[i] / k;
-        memcpy(qs + (long)i * D, qx + (long)r * D, D);
-        memcpy(sd + (long)i * G1, d + (long)r * G1, sizeof(float) * G1);
-        memcpy(sds + (long)i * G1, ds + (long)r * G1, sizeof(float) * G1);
-        sc[i] = c[r];
+        memcpy(srt.q + (long)i * D, in.q + (long)r * D, D);
+        memcpy(srt.d + (long)i * G1, in.d + (long)r * G1, sizeof(float) * G1);
+        memcpy(srt.ds + (long)i * G1, in.ds + (long)r * G1, sizeof(float) * G1);
+        memcpy(srt.sum + (long)i * G1, in.sum + (long)r * G1, sizeof(int32_t) * G1);
+        srt.c[i] = in.c[r];
     }
-    free(qx), free(d), free(ds), free(c);
+    qrows_free(&in);
     int half = I / LANES; /* blocks of the gate half (the up half's block b + half pairs with gate block b) */
     _Pragma("omp parallel reduction(| : failed)") {
         AMX_FRESH;
@@ -997,16 +1032,15 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
             const int64_t *p = w13 + 3L * e;
             const uint8_t *w = (const uint8_t *)p[0];
             const uint16_t *s = (const uint16_t *)p[1], *z = (const uint16_t *)p[2];
-            block_all(w, s, z, bits13, G1, b, qs + (long)s0 * D, sd + (long)s0 * G1, sds + (long)s0 * G1, sc + s0, D,
-                      T, acc);
-            block_all(w, s, z, bits13, G1, b + half, qs + (long)s0 * D, sd + (long)s0 * G1, sds + (long)s0 * G1,
-                      sc + s0, D, T, acc + T * LANES);
+            qrows rows = qrows_at(&srt, s0, G1, D);
+            block_all(w, s, z, bits13, G1, b, &rows, D, T, acc);
+            block_all(w, s, z, bits13, G1, b + half, &rows, D, T, acc + T * LANES);
             for (int t = 0; t < T; t++)
                 out16(acc + t * LANES, acc + (T + t) * LANES, NULL, a, bf16, (long)(s0 + t) * I + (long)b * LANES);
         }
         free(acc);
     }
-    if (!failed && quantized_input(a, bf16, n, I, NULL, 0.0f, &qa, &da, &dsa, &ca))
+    if (!failed && quantized_input(a, bf16, n, I, NULL, 0.0f, &act))
         failed = 1;
     int blocks2 = D / LANES;
     if (!failed) {
@@ -1021,16 +1055,17 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
                 if (!acc) continue;
                 int e = used[i / blocks2], b = (int)(i % blocks2), s0 = first[e], T = first[e + 1] - s0;
                 const int64_t *p = w2 + 3L * e;
-                block_all((const uint8_t *)p[0], (const uint16_t *)p[1], (const uint16_t *)p[2], bits2, G2, b,
-                          qa + (long)s0 * I, da + (long)s0 * G2, dsa + (long)s0 * G2, ca + s0, I, T, acc);
+                qrows rows = qrows_at(&act, s0, G2, I);
+                block_all((const uint8_t *)p[0], (const uint16_t *)p[1], (const uint16_t *)p[2], bits2, G2, b, &rows,
+                          I, T, acc);
                 for (int t = 0; t < T; t++)
                     out16(acc + t * LANES, NULL, NULL, out, bf16, (long)order[s0 + t] * D + (long)b * LANES);
             }
             free(acc);
         }
     }
-    free(qa), free(da), free(dsa), free(ca);
-    free(count), free(order), free(first), free(used), free(qs), free(sd), free(sds), free(sc), free(a);
+    qrows_free(&act), qrows_free(&srt);
+    free(count), free(order), free(first), free(used), free(a);
     return failed ? -1 : 0;
 #else
     (void)x, (void)R, (void)D, (void)k, (void)ids, (void)E, (void)I, (void)bits13, (void)bits2, (void)w13, (void)w2;
