@@ -179,3 +179,31 @@ def test_training_runs_resumes_and_is_deterministic(tmp_path, monkeypatch):
     assert again["log"] == a["log"]
     kind, modules, vmap = load_heads(tmp_path / "a.safetensors", t)
     assert kind == "sequential" and len(modules) == 2 and len(vmap) == 512
+
+
+@pytest.mark.parametrize("which", ["shipped", "sequential-2"])
+def test_catch_up_runs_the_last_positions_only(target, plain, tmp_path, monkeypatch, which):
+    """After the prompt, the modules run over its last CATCH_UP positions only (not every position: a thousand-token
+    prompt cost each first draft ~50 ms), and the output is still plain greedy's."""
+    from specdec.spec import mtp as mtp_spec
+
+    monkeypatch.setattr(mtp_spec, "CATCH_UP", 8)
+    mtp = heads_for(target, tmp_path, which)
+    rows: list[int] = []  # the positions each module call runs over
+    cls = type(build_proposer(SpecConfig(kind="mtp"), target, GREEDY, mtp=mtp).modules[0])
+    call = cls.__call__
+
+    def counted(self, h, tokens, *a, **k):
+        rows.append(tokens.shape[1])
+        return call(self, h, tokens, *a, **k)
+
+    monkeypatch.setattr(cls, "__call__", counted)
+    for p, ref in plain.items():
+        proposer = build_proposer(SpecConfig(kind="mtp"), target, GREEDY, mtp=mtp)
+        ids = chat(target.tokenizer, p)
+        assert len(ids) > 8
+        r = generate(target.model, target.tokenizer, ids, GREEDY, max_tokens=N, ignore_eos=True, proposer=proposer,
+                     draft_length=FixedDraftLength(3))
+        assert r.tokens == ref
+        assert r.stats.drafted > 0
+    assert rows and max(rows) <= 8

@@ -16,8 +16,10 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..config import cache_dir
@@ -105,21 +107,28 @@ def kernel_supports(dtype: torch.dtype, device: torch.device, head_dim: int, val
     return device.type == "cpu" and dtype in DTYPES and fits and attention_lib() is not None
 
 
-def row_spans(rows: list[tuple[int, int, list[int]]], window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def row_spans(rows: list[tuple[int, int, Sequence[int]]], window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """What each of T rows attends, as attend() takes it. rows[r] = (base, start, tail): the row's sequence owns pool
     slots from `base` on and has `start` tokens cached before this forward; the row attends those, then the slots
-    `tail` (absolute: its own chain or tree path in this forward, itself last), all but the last `window` of them
-    dropped for a sliding-window layer. -> (spans [3 T + 1]: the rows' first slots, the ends of their consecutive
-    runs (base + start), the T + 1 offsets of their tails in the second tensor; the tail slots, concatenated)."""
+    `tail` (absolute: its own chain or tree path in this forward, itself last; a range for a chain), all but the last
+    `window` of them dropped for a sliding-window layer. -> (spans [3 T + 1]: the rows' first slots, the ends of
+    their consecutive runs (base + start), the T + 1 offsets of their tails in the second tensor; the tail slots,
+    concatenated). A chain of T rows has T (T + 1) / 2 tail slots: built as lists and converted element by element,
+    those of a 512-token prefill chunk took 17 ms and a 1000-token one 66 ms (docs/results/row-spans-1206g.txt);
+    ranges go to numpy whole."""
     lo, hi, cut, offsets = [], [], [], [0]
     for base, start, tail in rows:
         first = max(0, start + len(tail) - window) if window else 0
         lo.append(base + min(first, start))
         hi.append(base + start)
-        kept = tail[max(0, first - start):]
-        cut.extend(kept)
-        offsets.append(offsets[-1] + len(kept))
-    return torch.tensor(lo + hi + offsets, dtype=torch.int64), torch.tensor(cut, dtype=torch.int64)
+        cut.append(tail[max(0, first - start):])
+        offsets.append(offsets[-1] + len(cut[-1]))
+    if all(isinstance(t, range) for t in cut):  # each row's slots from its first on: one arange, shifted per row
+        at = np.asarray(offsets[:-1], dtype=np.int64) - np.asarray([t.start for t in cut], dtype=np.int64)
+        tails = np.arange(offsets[-1], dtype=np.int64) - np.repeat(at, [len(t) for t in cut])
+    else:
+        tails = np.fromiter((x for t in cut for x in t), dtype=np.int64, count=offsets[-1])
+    return torch.tensor(lo + hi + offsets, dtype=torch.int64), torch.from_numpy(tails)
 
 
 TILE = 32  # slots per tile of transposed keys (BLOCK in attention.c)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -437,12 +438,13 @@ class Transformer:
         return sum(layer.active_bytes() for layer in self.layers) + sum(t.numel() * t.element_size() for t in tensors)
 
     @staticmethod
-    def row_tails(cache: KVCache, start: int, T: int, parents: list[int] | None) -> list[tuple[int, int, list[int]]]:
+    def row_tails(cache: KVCache, start: int, T: int, parents: list[int] | None
+                  ) -> list[tuple[int, int, Sequence[int]]]:
         """kernels.row_spans() rows for T new tokens of one sequence after `start` cached ones: a chain (row i ends
-        with slots start..start+i) or a tree (the root, then each node's root-to-node path of rows)."""
+        with slots start..start+i, a range) or a tree (the root, then each node's root-to-node path of rows)."""
         b = cache.base + start
         if parents is None:
-            return [(cache.base, start, list(range(b, b + i + 1))) for i in range(T)]
+            return [(cache.base, start, range(b, b + i + 1)) for i in range(T)]
         return [(cache.base, start, [b + r for r in p]) for p in [[0]] + tree_paths(parents)]
 
     def kernel_plan(self, rows: list[tuple[int, int, list[int]]], slots: list[int]) -> AttentionPlan:
