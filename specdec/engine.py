@@ -243,9 +243,9 @@ class Engine:
             s.finish = "length"
         return s.finish
 
-    def _draft(self, s: Sequence) -> tuple[Draft, int | None, float]:
-        """s's draft for this step (K from its policy, never past its context or max_tokens) -> (draft, draft class,
-        drafting seconds)."""
+    def _draft(self, s: Sequence, peers: int) -> tuple[Draft, int | None, float]:
+        """s's draft for this step (K from its policy, never past its context or max_tokens; `peers` sequences decode
+        in this step) -> (draft, draft class, drafting seconds)."""
         proposer, policy = s.proposer, s.policy
         if proposer is None:
             return Draft(), None, 0.0
@@ -253,7 +253,7 @@ class Engine:
         cap = min(s.cache.max_len - n - 1, s.max_tokens - len(s.out) - 1)
         if hasattr(proposer, "plan"):  # a proposer that picks its own source and length (spec/auto.py)
             t = time.perf_counter()
-            draft, source = proposer.plan(cap) if cap > 0 else (Draft(), None)
+            draft, source = proposer.plan(cap, peers) if cap > 0 else (Draft(), None)
             return draft, source, time.perf_counter() - t
         kind = proposer.draft_class() if hasattr(proposer, "draft_class") else None
         k = min(policy.choose(kind), cap)
@@ -281,7 +281,7 @@ class Engine:
                 s.finish = "context"
                 self._retire(s)
                 continue
-            draft, kind, draft_s = self._draft(s)
+            draft, kind, draft_s = self._draft(s, len(seqs))
             s.stats.draft_s += draft_s
             pos = [n] + ([n + 1 + i for i in range(len(draft))] if draft.parents is None
                          else [n + d for d in depths(draft.parents)])

@@ -254,6 +254,24 @@ def test_a_probe_that_shows_a_loss_backs_off_even_with_tokens_accepted():
 
 
 
+@pytest.mark.parametrize("peers", [1, 8])
+def test_a_batch_probes_a_losing_costly_source_as_one_sequence_would(peers):
+    """Each of `peers` sequences decoding together probes the heads `peers` times less often than one alone."""
+    probes = []
+    for _ in range(peers):
+        heads = Fake("mtp", False, [7, 7, 7, 7])
+        auto = AutoProposer({"mtp": heads})
+        for _ in range(200):
+            draft, _ = auto.plan(8, peers)
+            auto.feedback(len(draft), 0, 0.010 + 0.005 * len(draft), 0.005 * len(draft))
+            auto.emitted([-1])
+        probes.append(heads.calls)
+    if peers == 1:
+        assert probes[0] >= 2  # first at 32 steps, then backing off
+    else:
+        assert sum(probes) == 0  # not before 8 x 32 steps
+
+
 def test_sources_rest_while_nothing_pays_and_catch_up_on_the_text():
     """After QUIET_AFTER steps without a draft the lookups are consulted one step in CONSULT_EVERY; when consulted
     they have been given every token in between (in one batch); a source that starts paying drafts again, and is

@@ -231,8 +231,14 @@ class AutoProposer:
         self._table[1] += 1
         return self._table[2]
 
-    def plan(self, cap: int) -> tuple[Draft, str | None]:
-        """This step's draft (at most `cap` tokens) and the name of the source that made it (None: no draft)."""
+    def plan(self, cap: int, peers: int = 1) -> tuple[Draft, str | None]:
+        """This step's draft (at most `cap` tokens) and the name of the source that made it (None: no draft).
+
+        peers: the sequences decoding in this step (engine.Engine). A batch of them probes a losing costly source as
+        often as one sequence would, each sequence `peers` times less often: a probe runs the heads (their catch-up
+        and a draft) and adds a verify row, and the sequences of a batch would each find out the same thing. Fresh
+        `--spec auto` (no memory) at batch 8 on Spec-Bench summarization probed the shipped heads ~16 times in 128
+        steps (docs/results/batch-probes-1206g.txt)."""
         self.resting = self.quiet >= QUIET_AFTER and self.quiet % CONSULT_EVERY != 0
         if self.resting:
             self.quiet += 1
@@ -251,9 +257,9 @@ class AutoProposer:
                 if not candidate.tokens:  # no match: nothing to draft or to learn from this step
                     continue
                 pol.watch(candidate.tokens, cls)
-            elif pol.predicted < 1.0 and pol.since_draft % 8 and pol.since_draft < pol.probe_gap:
+            elif pol.predicted < 1.0 and pol.since_draft % 8 and pol.since_draft < pol.probe_gap * peers:
                 continue  # switched off and not due to probe: its estimate is rechecked every 8th step
-            k = pol.choose(cls, vc)
+            k = pol.choose(cls, vc, peers)
             if k <= 0:
                 continue
             if pol.probing:

@@ -120,12 +120,14 @@ class AutoDraftLength:
         base = self.forward_s(1)
         return self.draft_s_per_token / base if (self.draft_s_per_token is not None and base) else self.prior_cost
 
-    def choose(self, draft_class: int | None = None, verify_cost: Callable[[int], float] | None = None) -> int:
+    def choose(self, draft_class: int | None = None, verify_cost: Callable[[int], float] | None = None,
+               peers: int = 1) -> int:
         """This step's K; verify_cost: v(T)/v(1) when the caller has it at hand (spec/auto.py tabulates it once per
-        step for all its sources). The predicted speedup of the choice is left in self.predicted."""
+        step for all its sources); peers: the sequences decoding in this step, whose probes of the same source
+        count alike (spec/auto.py). The predicted speedup of the choice is left in self.predicted."""
         vc = verify_cost or self.verify_table(self.draft_max + 1).__getitem__
         k, self.predicted = best_k(self.acceptance(draft_class), self.draft_cost(), vc, self.draft_max)
-        self.probing = k == 0 and self.since_draft >= self.probe_gap and not self.watched
+        self.probing = k == 0 and self.since_draft >= self.probe_gap * peers and not self.watched
         if self.probing:
             k = 1  # probe now and then, or the estimates could never recover
         return k
