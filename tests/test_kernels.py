@@ -161,18 +161,19 @@ def test_many_chain_rows_with_a_window_equal_decode_steps(H, Hkv, D):
 
 @pytest.mark.parametrize("window", [None, 1, 5, 64])
 def test_row_spans_of_chain_ranges_equal_the_slot_lists(window):
-    """Chains give row_spans ranges (their tails built whole in numpy); the result is the element-by-element one of
-    the same slots as lists, alone and next to a tree's paths in one batch."""
+    """Chains give row_spans ranges (their tails built whole in numpy when there are many); the result is the
+    element-by-element one of the same slots as lists, alone and next to a tree's paths in one batch."""
     from specdec.models.transformer import Transformer
 
     class Cache:
         def __init__(self, base: int):
             self.base = base
 
-    chains = Transformer.row_tails(Cache(1000), 37, 9, None) + Transformer.row_tails(Cache(0), 0, 4, None)
+    # 40 + 4 rows: 830 tail slots, past the 256 under which row_spans converts them one by one
+    chains = Transformer.row_tails(Cache(1000), 37, 40, None) + Transformer.row_tails(Cache(0), 0, 4, None)
     tree = Transformer.row_tails(Cache(5000), 12, 5, [-1, 0, 0, 1, 3])
     assert all(isinstance(t, range) for _, _, t in chains)
-    for rows in (chains, chains + tree, tree + chains):
+    for rows in (chains, chains[-4:], chains + tree, tree + chains):
         spans, tails = kernels.row_spans(rows, window)
         ref_spans, ref_tails = kernels.row_spans([(b, s, [int(x) for x in t]) for b, s, t in rows], window)
         assert torch.equal(spans, ref_spans) and torch.equal(tails, ref_tails)

@@ -830,11 +830,12 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
 
 static void qrows_free(qrows *o) { free(o->q), free(o->d), free(o->ds), free(o->c), free(o->sum); }
 
-/* Buffers for T rows of K inputs (zeroed; qrows_free frees them); -1 when memory runs out (nothing left allocated). */
+/* Buffers for T rows of K inputs (c zeroed, for its sums; qrows_free frees them); -1 when memory runs out (nothing left
+   allocated). */
 static int qrows_alloc(qrows *o, int T, int K) {
     size_t n = (size_t)T * (K / GROUP);
-    *o = (qrows){calloc((size_t)T, K), calloc(n, sizeof(float)), calloc(n, sizeof(float)),
-                 calloc((size_t)T, sizeof(float)), calloc(n, sizeof(int32_t))};
+    *o = (qrows){malloc((size_t)T * K), malloc(n * sizeof(float)), malloc(n * sizeof(float)),
+                 calloc((size_t)T, sizeof(float)), malloc(n * sizeof(int32_t))};
     if (o->q && o->d && o->ds && o->c && o->sum)
         return 0;
     qrows_free(o);
