@@ -549,7 +549,7 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
    magnitudes |q| (u8, at most 128) by the activation codes with q's sign (VPSIGNB; at most 127 in magnitude), so each
    s16 pair sum is at most 2 x 128 x 127 = 32512, exact (llama.cpp's mul_sum_i8_pairs), and VPMADDWD by ones adds
    the pairs into s32. The same integer as VPDPBUSD's, so the same float operations follow. Against splitting each
-   code into its nibbles (two VPMADDUBSW a vector, as int4) SmolLM2's 49152 x 576 head took 1.11-1.23x less time at
+   code into its nibbles (two VPMADDUBSW a vector, as int4) SmolLM2's 49152 x 576 head took 1.08-1.25x less time at
    T = 1-16 (docs/results/int8-sign-1206g.txt). Both halves in one pass and inlined with nt a constant, as
    block_int4_n. */
 static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w, const uint16_t *s, int G,
