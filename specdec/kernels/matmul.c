@@ -440,8 +440,9 @@ static void quantize_rows(const void *x, int bf16, int T, int K, const float *no
             float dg = amax / 127.0f;
             d[(long)t * G + g] = dg;
             __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            o->sum[(long)t * G + g] = reduce_add8i(sum);
-            ds[(long)t * G + g] = dg * (float)o->sum[(long)t * G + g];
+            int32_t total = reduce_add8i(sum);
+            o->sum[(long)t * G + g] = total;
+            ds[(long)t * G + g] = dg * (float)total;
             c[t] += 128.0f * ds[(long)t * G + g];
         }
     }

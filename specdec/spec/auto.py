@@ -237,7 +237,7 @@ class AutoProposer:
         peers: the sequences decoding in this step (engine.Engine). A batch of them probes a losing costly source as
         often as one sequence would, each sequence `peers` times less often: a probe runs the heads (their catch-up
         and a draft) and adds a verify row, and the sequences of a batch would each find out the same thing. Fresh
-        `--spec auto` (no memory) at batch 8 on Spec-Bench summarization probed the shipped heads ~16 times in 128
+        `--spec auto` (no memory) at batch 8 on Spec-Bench summarization probed the shipped heads 10-12 times in 128
         steps (docs/results/batch-probes-1206g.txt)."""
         self.resting = self.quiet >= QUIET_AFTER and self.quiet % CONSULT_EVERY != 0
         if self.resting:

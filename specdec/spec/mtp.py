@@ -98,8 +98,7 @@ class _MTPBase:
 # fifth of its speed. Only the last CATCH_UP are run (the earlier ones stay out of the modules' caches; their
 # attention sees the rest): heads alone on Spec-Bench summarization / rag 0.83 / 0.80x plain -> 0.93 / 0.91x with
 # 256 and 0.95 / 0.95x with 64, first-draft acceptance unchanged or higher; fresh auto at batch 8 304 -> 350 tok/s
-# with 128
-# (docs/results/catch-up-1206g.txt).
+# with 128 (docs/results/catch-up-1206g.txt).
 CATCH_UP = 128
 
 
