@@ -53,8 +53,11 @@ def main() -> None:
     lib = kernels.matmul_lib()
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "old.c"
-        old.write_text(subprocess.run(["git", "show", f"{args.commit}:specdec/kernels/matmul.c"], check=True,
-                                      capture_output=True, text=True).stdout)
+        shown = subprocess.run(["git", "show", f"{args.commit}:specdec/kernels/matmul.c"], capture_output=True,
+                               text=True)
+        if shown.returncode:
+            ap.error(f"no specdec/kernels/matmul.c at {args.commit!r}: {shown.stderr.strip().splitlines()[-1]}")
+        old.write_text(shown.stdout)
         dlls = [build(old, Path(tmp) / "old.so"), build(kernels.SOURCE.with_name("matmul.c"), Path(tmp) / "new.so")]
         print(f"cells: us per call, {args.commit} / this checkout ('!' where their rows differ)")
         try:
