@@ -205,12 +205,13 @@ static inline __m512 load_out(const void *p, int bf16, long i) {
 
 /* Quantize x [T, K] (f32 or bf16), RMS-normalized first when norm (f32 [K]) is given, into o (see qrows; codes round
    to nearest even, as nearbyintf). */
-static void quantize_rows(const void *x, int bf16, int T, int K, const float *norm, float eps, const qrows *o) {
+static void quantize_rows(const void *x, int bf16, int t0, int t1, int K, const float *norm, float eps,
+                          const qrows *o) {
     int8_t *qx = o->q;
     float *d = o->d, *ds = o->ds, *c = o->c;
     int G = K / GROUP;
     const __m512 sign = _mm512_set1_ps(-0.0f);
-    for (int t = 0; t < T; t++) {
+    for (int t = t0; t < t1; t++) {
         __m512 r = _mm512_set1_ps(1.0f);
         if (norm) {
             __m512 ss = _mm512_setzero_ps();
@@ -406,13 +407,14 @@ static inline int reduce_add8i(__m256i v) {
 }
 
 /* quantize_rows of the AVX-512 path (see there), 8 lanes at a time */
-static void quantize_rows(const void *x, int bf16, int T, int K, const float *norm, float eps, const qrows *o) {
+static void quantize_rows(const void *x, int bf16, int t0, int t1, int K, const float *norm, float eps,
+                          const qrows *o) {
     int8_t *qx = o->q;
     float *d = o->d, *ds = o->ds, *c = o->c;
     int G = K / GROUP;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' 128-bit interleave */
-    for (int t = 0; t < T; t++) {
+    for (int t = t0; t < t1; t++) {
         __m256 r = _mm256_set1_ps(1.0f);
         if (norm) {
             __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
@@ -849,7 +851,7 @@ static int qrows_alloc(qrows *o, int T, int K) {
 static int quantized_input(const void *x, int bf16, int T, int K, const float *norm, float eps, qrows *o) {
     if (qrows_alloc(o, T, K))
         return -1;
-    quantize_rows(x, bf16, T, K, norm, eps, o);
+    quantize_rows(x, bf16, 0, T, K, norm, eps, o);
     return 0;
 }
 
@@ -869,10 +871,13 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
     if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || (bits != 4 && bits != 8) || T < 1) return -2;
     int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N;
     qrows in;
-    if (quantized_input(x, bf16, T, K, norm, eps, &in)) return -1;
+    if (qrows_alloc(&in, T, K)) return -1;
     int failed = 0;
     _Pragma("omp parallel reduction(| : failed)") {
         AMX_FRESH;
+        /* the rows quantized by both threads (a row's codes are the same operations whichever thread runs them) */
+        _Pragma("omp for schedule(static)") for (int t = 0; t < T; t++)
+            quantize_rows(x, bf16, t, t + 1, K, norm, eps, &in);
         float *acc = malloc(sizeof(float) * (size_t)T * LANES * 2);
         if (!acc) failed = 1;
         _Pragma("omp for schedule(static)") for (int b = 0; b < (swiglu ? blocks / 2 : blocks); b++) {
