@@ -203,8 +203,9 @@ static inline __m512 load_out(const void *p, int bf16, long i) {
     return bf16 ? load_bf16x16((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
 }
 
-/* Quantize x [T, K] (f32 or bf16), RMS-normalized first when norm (f32 [K]) is given, into o (see qrows; codes round
-   to nearest even, as nearbyintf). */
+/* Quantize rows t0 .. t1 - 1 of x [T, K] (f32 or bf16), RMS-normalized first when norm (f32 [K]) is given, into o
+   (see qrows; codes round to nearest even, as nearbyintf). Each row on its own: any split of the rows over threads
+   gives the same bits. */
 static void quantize_rows(const void *x, int bf16, int t0, int t1, int K, const float *norm, float eps,
                           const qrows *o) {
     int8_t *qx = o->q;
