@@ -68,6 +68,10 @@ class Linear:
             y = F.silu(gate) * up
         return y + residual if residual is not None else y
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """self(x) as float32 (an output head's logits)."""
+        return self(x).float()
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.bias) if t is not None]
 
@@ -106,6 +110,13 @@ class _Native(Linear):
         if self.native and self.bias is None and not (swiglu and self.out_features % 32):
             return self._kernel(x, norm, swiglu, residual)
         return super().apply(x, norm, swiglu, residual)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """self(x).float() from one kernel pass: the kernel rounds to x's dtype and stores the widened value (a
+        separate .float() of a SmolLM2 head's bf16 logits cost ~50 us a step; docs/results/widen-logits-1206h.txt)."""
+        if not self.native or self.bias is not None:
+            return super().logits(x)
+        return kernels.matmul(x, self.bits, self.weight, self.scales, self.zeros, self.out_features, widen=True)
 
 
 def _bf16_call(x: torch.Tensor, mm, bias: torch.Tensor | None, n: int) -> torch.Tensor:

@@ -110,6 +110,21 @@ def test_rows_are_batch_invariant(cls):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_widened_logits_are_the_rounded_outputs(cls, dtype):
+    """logits(): float32 from one kernel pass, bitwise the layer's output in x's dtype widened (a bf16 input's
+    outputs rounded to bf16 inside the kernel, not left at float32 precision)."""
+    lin = cls(weights(64, 96, seed=8), None)
+    x = (torch.randn(5, 96, generator=torch.Generator().manual_seed(9)) * 3).to(dtype)
+    y = lin.logits(x)
+    assert y.dtype == torch.float32 and torch.equal(y, lin(x).float())
+    if dtype == torch.bfloat16:  # every value a bf16 value: its low 16 bits zero
+        assert not (y.view(torch.int32) & 0xFFFF).any()
+        wide = kernels.matmul(x, lin.bits, lin.weight, lin.scales, lin.zeros, lin.out_features, widen=True)
+        assert torch.equal(wide, y)
+
+
 def test_bias_and_unsupported_shapes():
     w, b = weights(64, 96, seed=5), torch.randn(64)
     lin = Int4Linear(w, b)

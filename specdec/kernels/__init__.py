@@ -27,6 +27,7 @@ from ..config import cache_dir
 SOURCE = Path(__file__).with_name("attention.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+WIDEN = 2  # matmul.c's dtype code for bf16 inputs and float32 outputs rounded to bf16 (matmul(widen=True))
 
 
 def _cpu_id() -> bytes:
@@ -319,26 +320,31 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
            n: int, norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, widen: bool = False) -> torch.Tensor:
     """y = x W^T for x [..., K] (f32 or bf16) and a weight [n, K] packed by pack_int4 / pack_int8 -> [..., n] in
     x's dtype; fused (see matmul.c): norm (f32 [K]) RMS-normalizes x's rows first, swiglu returns
-    silu(first half) * second half [..., n / 2], residual [..., n or n / 2] is added."""
+    silu(first half) * second half [..., n / 2], residual [..., n or n / 2] is added. widen: float32 out, bitwise
+    what `.float()` of the x-dtype result gives, without that second pass (an output head's logits)."""
     k, dtype = x.shape[-1], x.dtype
     if dtype not in DTYPES:
         x = x.float()
     if not x.is_contiguous():
         x = x.contiguous()
     n_out = n // 2 if swiglu else n
-    y = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype)
+    wide = widen and x.dtype == torch.bfloat16
+    y = torch.empty(*x.shape[:-1], n_out, dtype=torch.float32 if wide else x.dtype)
     if residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()):
         residual = residual.to(x.dtype).contiguous()
     rc = matmul_lib().specdec_matmul(x.data_ptr(), x.numel() // k, k, n, bits, codes.data_ptr(), scales.data_ptr(),
-                                     zeros.data_ptr() if zeros is not None else None, y.data_ptr(), DTYPES[x.dtype],
+                                     zeros.data_ptr() if zeros is not None else None, y.data_ptr(),
+                                     WIDEN if wide else DTYPES[x.dtype],
                                      norm.data_ptr() if norm is not None else None, eps, swiglu,
                                      residual.data_ptr() if residual is not None else None)
     if rc != 0:
         raise MemoryError("the matmul kernel ran out of memory") if rc == -1 else ValueError(f"matmul shape {n}x{k}")
-    return y if y.dtype == dtype else y.to(dtype)
+    if y.dtype != dtype and not wide:
+        y = y.to(dtype)
+    return y.float() if widen else y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

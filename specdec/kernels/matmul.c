@@ -64,6 +64,7 @@
 
 #define GROUP 32
 #define LANES 16
+#define WIDEN 2 /* specdec_matmul's bf16 = 2: bf16 inputs, outputs rounded to bf16 and stored widened to f32 */
 /* activation rows per pass over a block's weights (register blocking). AVX-512: one accumulator a row in the pass
    (int4's minimum term fused into it only up to YM_FUSED_MAX rows, else in a pass of its own), up to 9 rows, and
    passes of AMX_MIN_ROWS..16 rows on tiles where the CPU has AMX. In whole forwards of the 1B-shaped Q4_0 file at 256
@@ -253,12 +254,17 @@ static inline __m512 silu_mul(__m512 g, __m512 u) {
     return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u);
 }
 
+/* y stored at out + i: bf16 1, rounded to bf16 (to nearest even, as torch does); WIDEN, rounded the same and stored
+   as the f32 it widens to; 0, f32 as computed */
 static inline void store_out(void *out, int bf16, long i, __m512 y) {
-    if (bf16) { /* round to nearest even, as torch does */
+    if (bf16) {
         __m512i u = _mm512_castps_si512(y);
         u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+        if (bf16 == WIDEN)
+            _mm512_storeu_si512((float *)out + i, _mm512_andnot_si512(_mm512_set1_epi32(0xFFFF), u));
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
     } else {
         _mm512_storeu_ps((float *)out + i, y);
     }
@@ -458,11 +464,15 @@ static inline __m256 silu_mul8(__m256 g, __m256 u) {
     return _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.0f))), u);
 }
 
-static inline void store_out8(void *out, int bf16, long i, __m256 y) {
-    if (bf16) { /* round to nearest even, as torch does */
+static inline void store_out8(void *out, int bf16, long i, __m256 y) { /* store_out's three ways, 8 lanes */
+    if (bf16) {
         __m256i u = _mm256_castps_si256(y);
         u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
                                                   _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+        if (bf16 == WIDEN) {
+            _mm256_storeu_si256((__m256i *)((float *)out + i), _mm256_andnot_si256(_mm256_set1_epi32(0xFFFF), u));
+            return;
+        }
         __m256i h = _mm256_packus_epi32(_mm256_srli_epi32(u, 16), _mm256_setzero_si256());
         _mm_storeu_si128((__m128i *)((uint16_t *)out + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(h, 0x08)));
     } else {
@@ -860,7 +870,8 @@ static int quantized_input(const void *x, int bf16, int T, int K, const float *n
 
 /* y = x [T, K] W^T, W [N, K]. bits: 4 or 8. w: packed codes (see the header), s / z: bf16 scales / zeros laid out
    [N/16, K/32, 16] (int4; z NULL: every zero is 0, symmetric weights) or s [N] (int8, z unused). x, y and residual
-   are bf16 when bf16 != 0, else f32.
+   are bf16 when bf16 is 1, f32 when 0; bf16 = WIDEN: x and residual bf16, y f32 holding the bf16-rounded values (what
+   widening a bf16 result gives, written in one pass: an output head's logits).
    norm: f32 [K] RMSNorm weight applied to x's rows first (eps inside the root), or NULL. swiglu: y [T, N/2] =
    silu(x Wg^T) * (x Wu^T) with Wg, Wu the first and second N/2 rows. residual: y = residual + x W^T, or NULL.
    Returns 0, -1 when out of memory, -2 when the shapes are not multiples of 16 rows / 32 inputs (32 rows with

@@ -510,7 +510,7 @@ class Transformer:
             h = kernels.rms_norm(x, self.output_norm_f32, a.norm_eps)  # forward.c's final norm, as fast paths do
         elif h is None:
             h = rms_norm(x, self.output_norm, a.norm_eps)
-        logits = self.output(h if last is None else h[:, last]).float()
+        logits = self.output.logits(h if last is None else h[:, last])
         if self.args.final_logit_softcap:
             cap = self.args.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
