@@ -115,11 +115,13 @@
 #endif
 
 #ifndef PREFETCH_L2_ROWS /* VNNI passes of up to this many rows prefetch into L2, longer ones into L1 */
-#define PREFETCH_L2_ROWS 4
+#define PREFETCH_L2_ROWS 9
 #endif
 /* Decode and short verifications are memory-bound: prefetching into L2 rather than L1 made an 8B-shaped Q4_0 forward
    188.5 -> 176.0 ms, a 1B-shaped one 31.9 -> 29.1 ms and T = 2-3 1.02-1.07x faster; at T = 4 and 8 it changed nothing
-   (docs/results/prefetch-l2-1204.txt). */
+   (Sapphire Rapids, docs/results/prefetch-l2-1204.txt). Passes of 5-9 rows went on prefetching into L1 until, on a
+   Zen 4 host, L2 made them faster too: 8B-shaped Q4_K_M T = 5 / 9 1.16x / 1.09x, 1B-shaped T = 5 / 7 1.12x / 1.05x,
+   SmolLM2 T = 5-16 1.02-1.05x, 8 sequences 1.02-1.03x (docs/results/prefetch-l2-rows-1206h.txt). */
 #define PREFETCH_ROWS(nt, p)                                                                                          \
     do {                                                                                                              \
         if ((nt) <= PREFETCH_L2_ROWS)                                                                                 \
