@@ -26,6 +26,9 @@ def main() -> None:
     n = 96
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = [r["turns"][0] for r in rows if r.get("category") == category][:b]
+    if not prompts:
+        sys.exit(f"no prompts of category {category!r} in {PROMPTS}: use one of "
+                 f"{', '.join(sorted({r.get('category', '') for r in rows}))}")
     llm = LLM(None, max_batch=b)
     ids = [llm.target.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     print("prompt tokens", [len(i) for i in ids])
