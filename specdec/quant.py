@@ -89,11 +89,11 @@ class _Native(Linear):
     scales: torch.Tensor
     zeros: torch.Tensor | None = None
 
-    def _kernel(self, x: torch.Tensor, norm=None, swiglu: bool = False, residual: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def _kernel(self, x: torch.Tensor, norm=None, swiglu: bool = False, residual: torch.Tensor | None = None,
+                widen: bool = False) -> torch.Tensor:
         return kernels.matmul(x, self.bits, self.weight, self.scales, self.zeros, self.out_features,
                               norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
-                              swiglu, residual)
+                              swiglu, residual, widen)
 
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T + b on PyTorch's weight-only kernel (when the layer is not `native`)."""
@@ -116,7 +116,7 @@ class _Native(Linear):
         separate .float() of a SmolLM2 head's bf16 logits cost ~50 us a step; docs/results/widen-logits-1206h.txt)."""
         if not self.native or self.bias is not None:
             return super().logits(x)
-        return kernels.matmul(x, self.bits, self.weight, self.scales, self.zeros, self.out_features, widen=True)
+        return self._kernel(x, widen=True)
 
 
 def _bf16_call(x: torch.Tensor, mm, bias: torch.Tensor | None, n: int) -> torch.Tensor:

@@ -34,7 +34,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     builds = {}
     for arg in a.builds:
-        name, src = arg.split("=", 1)
+        name, _, src = arg.partition("=")
+        if not name or not Path(src.partition(":")[0]).is_file():
+            ap.error(f"{arg!r}: expected NAME=FILE.c[:-DFLAG ...] with an existing FILE.c")
         lib = build(src, tmp / f"{name}.so")
         builds[name] = [ctypes.cast(f, ctypes.c_void_p).value for f in (lib.specdec_rope_store, lib.specdec_attend)]
         builds[name].append(lib)  # keep it loaded
