@@ -64,10 +64,10 @@ class ContextFull(Exception):
 @dataclass
 class LayerCache:
     """One layer's view of a pool: kv [1, S, 2 Hkv, D] (keys then values per slot) or, where the keys are in the
-    attention kernel's tiles kt [Hkv, S / 32, D, 32], kv [1, Hkv, S, D] the values alone, head by head (k_all None);
-    k_all / v_all [1, Hkv, S, D] views of kv; base: the first slot of the sequence the caller works on (SDPA paths;
-    the kernel takes absolute slots). A latent (MLA) cache keeps its one vector per slot in kv and, for the kernel,
-    in kt."""
+    attention kernel's tiles kt [Hkv, S / 32, D / P, 32, P] (kernels.key_tiles), kv [1, Hkv, S, D] the values alone,
+    head by head (k_all None); k_all / v_all [1, Hkv, S, D] views of kv; base: the first slot of the sequence the
+    caller works on (SDPA paths; the kernel takes absolute slots). A latent (MLA) cache keeps its one vector per slot
+    in kv and, for the kernel, in kt."""
 
     kv: torch.Tensor
     k_all: torch.Tensor | None
@@ -107,7 +107,7 @@ class KVPool:
                  device: torch.device | str = "cpu", transposed_keys: bool = False, latent: bool = False):
         """latent: multi-head latent attention (models/mla.py): a slot holds one vector of head_dim (the compressed
         kv latent and the rope key, [kv_lora_rank + rope_dim]) instead of 2 Hkv heads; kv [layers, 1, S, 1, D],
-        k_all / v_all are both views of it, and its key tiles (transposed_keys) are [layers, 1, tiles, D, 32]."""
+        k_all / v_all are both views of it, and its key tiles (transposed_keys) are [layers, 1, tiles, D / P, 32, P]."""
         self.max_len = max_len
         self.stride = -(-max_len // kernels.TILE) * kernels.TILE  # slots between sequences, whole tiles
         S = self.stride * n_slots
@@ -124,8 +124,9 @@ class KVPool:
         # per-layer views as attention reads them: [1, Hkv, S, D] (made once; slicing them per step is one op)
         self.k_all = [None if split else self.kv[i, :, :, :n_kv_heads].transpose(1, 2) for i in range(n_layers)]
         self.v_all = [self.kv[i, :, :, heads - n_kv_heads:].transpose(1, 2) for i in range(n_layers)]
-        # the keys in transposed tiles [layers, Hkv, tiles, D, 32], for the attention kernel (attention.c computes
-        # 32 scores at a time from a tile): their only copy, except in a latent cache, whose vectors are also values
+        # the keys in transposed tiles [layers, Hkv, tiles, D / P, 32, P], for the attention kernel (attention.c
+        # computes 32 scores at a time from a tile): their only copy, except in a latent cache, whose vectors are
+        # also values
         self.kt = kernels.key_tiles(n_layers, n_kv_heads, head_dim, S, dtype) if transposed_keys else None
         self.pos = torch.zeros(S, dtype=torch.long, device=device)  # [S] RoPE position of each slot
         self.n_slots = n_slots
@@ -213,7 +214,7 @@ class KVCache:
         self.pool, self.slot = pool, slot
         self.base = slot * pool.stride  # this sequence's first slot in the pool
         self.max_len = min(max_len or pool.max_len, pool.max_len)
-        # the whole pool, slot-major: [layers, 1, S, 2 Hkv (Hkv: values only), D], [layers, Hkv, tiles, D, 32]
+        # the whole pool, slot-major: [layers, 1, S, 2 Hkv (Hkv: values only), D], [layers, Hkv, tiles, D / P, 32, P]
         self.kv, self.kt = pool.kv, pool.kt
         self.pos = pool.pos[self.base:self.base + self.max_len]  # [max_len] RoPE position of each slot (a view)
         self.length = 0

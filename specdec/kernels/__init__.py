@@ -136,39 +136,45 @@ TILE = 32  # slots per tile of transposed keys (BLOCK in attention.c)
 
 
 def key_tiles(n_layers: int, n_kv: int, head_dim: int, max_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Zeroed storage for the keys again, in tiles [layers, Hkv, tiles, D, 32] (see attention.c)."""
+    """Zeroed storage for the keys, in tiles [layers, Hkv, tiles, D / P, 32, P]: P = 2 for bf16 (each slot's dims in
+    pairs, the operand of AVX-512 BF16's dot product), else 1 (see tile_at in attention.c)."""
     from ..cache import lazy_zeros
 
-    return lazy_zeros((n_layers, n_kv, -(-max_len // TILE), head_dim, TILE), dtype)
+    P = 2 if dtype == torch.bfloat16 else 1
+    return lazy_zeros((n_layers, n_kv, -(-max_len // TILE), head_dim // P, TILE, P), dtype)
 
 
 def store_keys(keys: torch.Tensor, kt: torch.Tensor, start: int) -> None:
     """Write keys [1, n, Hkv, D] of one layer (or [layers, 1, n, Hkv, D] of every layer; contiguous in their last two
-    dims, e.g. a slice of a qkv projection or of a latent cache) into the tiles kt [Hkv, tiles, D, 32] ([layers,
-    ...], contiguous) at slots [start, start + n)."""
+    dims, e.g. a slice of a qkv projection or of a latent cache) into the tiles kt [Hkv, tiles, D / P, 32, P]
+    ([layers, ...], contiguous; key_tiles) at slots [start, start + n)."""
     every = keys.dim() == 5
     n, Hkv, D = keys.shape[-3:]
     if keys.stride(-1) != 1 or keys.stride(-2) != D:
         keys = keys.contiguous()
-    assert kt.is_contiguous() and keys.dtype == kt.dtype and kt.shape[-4] == Hkv and kt.shape[-2] == D
+    assert kt.is_contiguous() and keys.dtype == kt.dtype and kt.shape[-5] == Hkv and kt.shape[-3] * kt.shape[-1] == D
     attention_lib().specdec_store_keys(keys.data_ptr(), kt.data_ptr(), keys.shape[0] if every else 1,
-                                       keys.stride(0) if every else 0, kt.stride(0) if every else 0, kt.shape[-3],
+                                       keys.stride(0) if every else 0, kt.stride(0) if every else 0, kt.shape[-4],
                                        Hkv, D, keys.stride(-3), start, start + n, keys.element_size())
 
 
 def tile_keys(kt: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    """The keys of slots [a, b) out of tiles kt [..., Hkv, tiles, D, 32] -> [..., Hkv, b - a, D] (a copy)."""
+    """The keys of slots [a, b) out of tiles kt [..., Hkv, tiles, D / P, 32, P] -> [..., Hkv, b - a, D] (a copy)."""
     t0, t1 = a // TILE, -(-b // TILE)
-    k = kt[..., t0:t1, :, :].transpose(-1, -2)  # [..., Hkv, t1 - t0, 32, D]
-    return k.reshape(*k.shape[:-3], -1, k.shape[-1])[..., a - t0 * TILE:b - t0 * TILE, :]
+    k = kt[..., t0:t1, :, :, :].transpose(-2, -3)  # [..., Hkv, t1 - t0, 32, D / P, P]
+    return k.reshape(*k.shape[:-4], -1, k.shape[-2] * k.shape[-1])[..., a - t0 * TILE:b - t0 * TILE, :]
+
+
+def tile_slots(kt: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """keys [..., D] shaped as they go into slots of tiles kt [..., D / P, 32, P] (kt[..., tile, :, lane] = this)."""
+    return keys.unflatten(-1, (-1, kt.shape[-1]))
 
 
 def rope_store(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                slots: torch.Tensor, n_heads: int, n_kv: int) -> None:
     """RoPE on qkv's query and key heads in place (qkv [1, T, H + 2 Hkv, D], contiguous; cos, sin f32 [T, D]: the
     Rope tables' rows at the T positions), then row t's value stored at slot slots[t] (int64 [T]) of one layer's
-    values kv [1, Hkv, S, D] (head by head, S = 32 x tiles) and its key in the key tiles kt [Hkv, tiles, D, 32] (see
-    attention.c)."""
+    values kv [1, Hkv, S, D] (head by head, S = 32 x tiles) and its key in the key tiles kt (key_tiles)."""
     _, T, _, D = qkv.shape
     assert qkv.is_contiguous() and kv.is_contiguous() and kt.is_contiguous() and qkv.dtype == kv.dtype == kt.dtype
     assert kv.shape == (1, n_kv, kt.shape[1] * TILE, D)
@@ -181,7 +187,7 @@ def rope_store(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, cos: torch
 def attend(qkv: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, n_heads: int, n_kv: int, spans: torch.Tensor,
            tails: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of qkv's query heads (qkv [1, T, H + 2 Hkv, D], contiguous, queries first) over one layer's values
-    kv [1, Hkv, S, D] (head by head, S = 32 x tiles) and key tiles kt [Hkv, tiles, D, 32], each row over its own slots
+    kv [1, Hkv, S, D] (head by head, S = 32 x tiles) and key tiles kt (key_tiles), each row over its own slots
     (row_spans) -> [1, T, H * D]."""
     _, T, _, D = qkv.shape
     assert qkv.is_contiguous() and kv.is_contiguous() and kt.is_contiguous() and qkv.dtype == kv.dtype == kt.dtype
@@ -201,7 +207,7 @@ def attend_latent(query: torch.Tensor, kv: torch.Tensor, kt: torch.Tensor, value
                   tails: torch.Tensor, scale: float) -> torch.Tensor:
     """Multi-head latent attention (models/mla.py, absorbed): query [1, T, H, D] (contiguous; each head's query in
     latent space) over one layer's latent cache kv [1, S, 1, D] (one vector a slot: the key, whose first value_dim
-    elements are the value) and its tiles kt [1, tiles, D, 32], each row over its own slots (row_spans)
+    elements are the value) and its tiles kt (key_tiles), each row over its own slots (row_spans)
     -> [1, T, H, value_dim]. Batch-invariant as attend() is."""
     _, T, H, D = query.shape
     assert query.is_contiguous() and kv.is_contiguous() and kt.is_contiguous()

@@ -9,9 +9,10 @@
 
    Per (row, head) pair: s_j = scale * q . k_j, p = softmax(s) (max, then exp and sum),
    o = sum_j p_j v_j / sum_j p_j.
-   - scores: keys are kept a second time in tiles of 32 slots, transposed (kt [Hkv, tiles, D, 32]: 4 KB read
-     front to back per tile for D = 64, bf16), so 32 scores are computed together, each one chain of fused
-     multiply-adds over d = 0..D-1 in a vector lane; a slot's score is the same whichever tile, lane or batch of
+   - scores: keys are kept in tiles of 32 slots, transposed (f32: kt [Hkv, tiles, D, 32]; bf16: [Hkv, tiles, D / 2,
+     32, 2], each slot's dims in pairs; 4 KB read front to back per tile for D = 64, bf16), so 32 scores are computed
+     together, each one chain of fused multiply-adds over d = 0..D-1 in a vector lane (with AVX-512 BF16, one chain
+     of VDPBF16PS over the pairs of d, see tile_at); a slot's score is the same whichever tile, lane or batch of
      queries computes it, so any slot (a tree path's scattered tail slots too) is read from its tile in place;
    - exp: a branch-free Cephes polynomial, vectorized; the softmax sum keeps 16 lanes (key i of the part in lane
      i mod 16, in key order, padding masked to exact zeros) and adds them pairwise in a fixed order;
@@ -55,6 +56,22 @@ typedef float vf_u __attribute__((vector_size(64), aligned(4)));
 typedef uint32_t vu_u __attribute__((vector_size(64), aligned(2)));
 
 static inline vf load_f32(const float *p) { return *(const vf_u *)p; }
+
+/* Where dim d of slot l (0..31) is in a key tile. f32: [D, 32], a dim's 32 slots side by side. bf16: [D / 2, 32, 2],
+   the 32 slots' dims d, d + 1 (d even) side by side, so that 16 slots' pairs are one 64-byte vector: the operand of
+   AVX-512 BF16's VDPBF16PS (BF16DOT), which adds both products of a lane's pair into its f32 score in one
+   instruction, where the f32 chain takes two widenings and two fused multiply-adds (Zen 4: SmolLM2's attention at
+   1000 cached slots 1.09x / 1.17x faster at T = 1 / 9, its forwards 1.03-1.06x at T = 2-9;
+   docs/results/key-pairs-bf16-1206i.txt). Without it the pairs are split into dims d and d + 1 (keys_*), and every
+   score is the same chain of fused multiply-adds over d = 0..D-1 as with [D, 32] tiles, bitwise. */
+static inline long tile_at(int d, long l, int esize) {
+    return esize == 2 ? ((long)(d >> 1) * 32 + l) * 2 + (d & 1) : (long)d * 32 + l;
+}
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define BF16DOT 1
+#else
+#define BF16DOT 0
+#endif
 
 static inline vf load_bf16(const uint16_t *p) {
     vu u = __builtin_convertvector(*(const vh *)p, vu) << 16;
@@ -141,6 +158,31 @@ static inline void pair_bf16(const uint16_t *p, vf *x0, vf *x1) {
     vu u = *(const vu_u *)p, lo = u << 16, hi = u & 0xFFFF0000u;
     memcpy(x0, &lo, sizeof lo);
     memcpy(x1, &hi, sizeof hi);
+}
+
+/* Dims d and d + 1 (d even) of a key tile's 32 slots: x[0] = dim d of slots 0..15, x[1] of 16..31, x[2], x[3] the
+   same for d + 1 (see tile_at). */
+static inline void keys_f32(const float *kt, int d, vf *x) {
+    pair_f32(kt + d * 32, x, x + 1);
+    pair_f32(kt + (d + 1) * 32, x + 2, x + 3);
+}
+
+static inline void keys_bf16(const uint16_t *kt, int d, vf *x) {
+    pair_bf16(kt + d * 32, x, x + 2);
+    pair_bf16(kt + d * 32 + 32, x + 1, x + 3);
+}
+
+/* acc + VDPBF16PS: in each lane, the two products of k's bf16 pair (one slot's dims d, d + 1) with the query's pair
+   q (a 32-bit word: dims d, d + 1), added into the f32 score (BF16DOT only) */
+static inline vf dot_bf16(vf acc, vf k, const float *q) {
+#if BF16DOT
+    uint32_t w;
+    memcpy(&w, q, sizeof w);
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)k, (__m512bh)_mm512_set1_epi32((int)w));
+#else
+    (void)k, (void)q;
+    return acc;
+#endif
 }
 
 static inline void order_f32(vf *a, vf *b) { (void)a, (void)b; }
@@ -323,22 +365,36 @@ static void softmax_part(rowhead *rh, long base) {
 
 #if defined(__AVX512F__) || !defined(__AVX2__) || !defined(__FMA__)
 /* The inner loops (scores, and the outputs' weighted sums of value rows) in 16-lane vectors. */
-#define ATTEND_HOT(NAME, T_, PAIR_, ORDER_, ROW_)                                                                  \
-    /* 32 scores (one tile kt [D, 32]) for R queries qt [D][R] -> s[r][at .. at + 32) */                           \
+#define ATTEND_HOT(NAME, T_, KEYS_, ORDER_, ROW_)                                                                  \
+    /* 32 scores (one key tile, see tile_at) for R queries qt [D][R] (f32; with BF16DOT, bf16 ones in pairs:       \
+       [D / 2][R] 32-bit words) -> s[r][at .. at + 32) */                                                          \
     static inline __attribute__((always_inline)) void scores_##NAME(const int R, const float *qt, const T_ *kt,    \
                                                                     int D, float scale, rowhead *rh, long at) {    \
         vf a0[MAX_R], a1[MAX_R]; /* fixed sizes (not R): kept in registers */                                      \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) a0[r] = a1[r] = (vf){0};                              \
-        for (int d = 0; d < D; d++, qt += R) {                                                                     \
-            vf x0, x1;                                                                                             \
-            PAIR_(kt + d * BLOCK, &x0, &x1);                                                                       \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                 \
-                a0[r] = fmadd(splat(qt[r]), x0, a0[r]);                                                            \
-                a1[r] = fmadd(splat(qt[r]), x1, a1[r]);                                                            \
+        if (BF16DOT && sizeof(T_) == 2)                                                                            \
+            for (int d = 0; d < D; d += 2, qt += R) {                                                              \
+                vf x[2];                                                                                           \
+                memcpy(x, kt + d * 32, sizeof x);                                                                  \
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                             \
+                    a0[r] = dot_bf16(a0[r], x[0], qt + r);                                                         \
+                    a1[r] = dot_bf16(a1[r], x[1], qt + r);                                                         \
+                }                                                                                                  \
             }                                                                                                      \
-        }                                                                                                          \
+        else                                                                                                       \
+            for (int d = 0; d < D; d += 2, qt += 2 * R) {                                                          \
+                vf x[4];                                                                                           \
+                KEYS_(kt, d, x);                                                                                   \
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                             \
+                    a0[r] = fmadd(splat(qt[r]), x[0], a0[r]);                                                      \
+                    a1[r] = fmadd(splat(qt[r]), x[1], a1[r]);                                                      \
+                }                                                                                                  \
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                             \
+                    a0[r] = fmadd(splat(qt[R + r]), x[2], a0[r]);                                                  \
+                    a1[r] = fmadd(splat(qt[R + r]), x[3], a1[r]);                                                  \
+                }                                                                                                  \
+            }                                                                                                      \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                     \
-            ORDER_(&a0[r], &a1[r]);                                                                                \
             store_f32(rh[r].s + at, a0[r] * scale);                                                                \
             store_f32(rh[r].s + at + W, a1[r] * scale);                                                            \
         }                                                                                                          \
@@ -410,8 +466,15 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 #define LD8(p) _Generic((p), const float *: ld8_f32, const uint16_t *: ld8_bf16)(p)
-#define ATTEND_HOT(NAME, T_, PAIR_, ORDER_, ROW_)                                                                  \
-    /* 32 scores (one tile kt [D, 32]) for R queries qt [D][R] -> s[r][at .. at + 32) */                           \
+/* Dim d + e (d even, e = 0 or 1) of a key tile's slots l .. l + 7 (see tile_at): bf16 pairs split as pair_bf16 */
+static inline __m256 key8_f32(const float *kt, int d, int e, int l) { return _mm256_loadu_ps(kt + (d + e) * 32 + l); }
+static inline __m256 key8_bf16(const uint16_t *kt, int d, int e, int l) {
+    __m256i u = _mm256_loadu_si256((const __m256i *)(kt + d * 32 + 2 * l));
+    return _mm256_castsi256_ps(e ? _mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)) : _mm256_slli_epi32(u, 16));
+}
+#define KEY8(kt, d, e, l) _Generic((kt), const float *: key8_f32, const uint16_t *: key8_bf16)(kt, d, e, l)
+#define ATTEND_HOT(NAME, T_, KEYS_, ORDER_, ROW_)                                                                  \
+    /* 32 scores (one key tile, see tile_at) for R queries qt [D][R] -> s[r][at .. at + 32) */                     \
     static inline __attribute__((always_inline)) void scores_##NAME(const int R, const float *qt, const T_ *kt,    \
                                                                     int D, float scale, rowhead *rh, long at) {    \
         const T_ *kt0 = kt;                                                                                        \
@@ -424,26 +487,27 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                   \
                 _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++) a[r][c] = _mm256_setzero_ps();                \
             qt = qt0;                                                                                              \
-            for (int d = 0; d < D; d++, qt += R) {                                                                 \
-                const T_ *k = kt0 + d * BLOCK + 8 * h0;                                                            \
-                if (R <= 3) { /* each query element broadcast once, the tile's vectors one at a time: 16 registers */ \
-                    __m256 qv[3];                                                                                  \
-                    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) qv[r] = _mm256_broadcast_ss(qt + r);      \
-                    _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++) {                                         \
-                        __m256 x = LD8(k + 8 * c);                                                                 \
-                        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                       \
-                            a[r][c] = _mm256_fmadd_ps(qv[r], x, a[r][c]);                                          \
+            for (int d = 0; d < D; d += 2)                                                                         \
+                for (int e = 0; e < 2; e++, qt += R) { /* dim d, then d + 1 */                                     \
+                    if (R <= 3) { /* each query element broadcast once, the tile's vectors one at a time: 16       \
+                                     registers */                                                                  \
+                        __m256 qv[3];                                                                              \
+                        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) qv[r] = _mm256_broadcast_ss(qt + r);  \
+                        _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++) {                                     \
+                            __m256 x = KEY8(kt0, d, e, 8 * (h0 + c));                                              \
+                            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                   \
+                                a[r][c] = _mm256_fmadd_ps(qv[r], x, a[r][c]);                                      \
+                        }                                                                                          \
+                        continue;                                                                                  \
                     }                                                                                              \
-                    continue;                                                                                      \
+                    __m256 x[4];                                                                                   \
+                    _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++) x[c] = KEY8(kt0, d, e, 8 * (h0 + c));     \
+                    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                         \
+                        __m256 qv = _mm256_broadcast_ss(qt + r);                                                   \
+                        _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++)                                       \
+                            a[r][c] = _mm256_fmadd_ps(qv, x[c], a[r][c]);                                          \
+                    }                                                                                              \
                 }                                                                                                  \
-                __m256 x[4];                                                                                       \
-                _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++) x[c] = LD8(k + 8 * c);                        \
-                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                             \
-                    __m256 qv = _mm256_broadcast_ss(qt + r);                                                       \
-                    _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++)                                           \
-                        a[r][c] = _mm256_fmadd_ps(qv, x[c], a[r][c]);                                              \
-                }                                                                                                  \
-            }                                                                                                      \
             const __m256 sc = _mm256_set1_ps(scale);                                                               \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                   \
                 _Pragma("GCC unroll 4") for (int c = 0; c < NK; c++)                                               \
@@ -523,8 +587,8 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
 /* The kernel, instantiated for f32 and bf16 storage (T_ the element type, ST_ its vector store,
    PAIR_ / ORDER_ / ROW_ as above); its inner loops for a constant number R of (row, head) pairs that share a KV
    head and so each key tile and value row loaded (one instantiation for each R, dispatched at run time). */
-#define ATTEND_KERNEL(NAME, T_, ST_, PAIR_, ORDER_, ROW_)                                                          \
-    ATTEND_HOT(NAME, T_, PAIR_, ORDER_, ROW_)                                                                      \
+#define ATTEND_KERNEL(NAME, T_, ST_, KEYS_, ORDER_, ROW_)                                                          \
+    ATTEND_HOT(NAME, T_, KEYS_, ORDER_, ROW_)                                                                      \
                                                                                                                    \
     /* The instantiations for each R, dispatched at run time */                                                    \
     static void scores_any_##NAME(int R, const float *qt, const T_ *kt, int D, float scale, rowhead *rh,           \
@@ -578,8 +642,12 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
                 for (long i = 0; i < rh[r].ntail; i++)                                                             \
                     first = rh[r].tail[i] < first ? rh[r].tail[i] : first,                                         \
                     last = rh[r].tail[i] > last ? rh[r].tail[i] : last;                                            \
-                for (int d = 0; d < D; d++) /* the queries in f32, transposed: qt[d][r] */                         \
-                    qt[d * R + r - r0] = ELEM((const T_ *)rh[r].q + d);                                            \
+                if (BF16DOT && sizeof(T_) == 2) /* bf16 pairs, transposed: qt[d / 2][r] */                         \
+                    for (int d = 0; d < D; d += 2)                                                                 \
+                        memcpy(qt + d / 2 * R + r - r0, (const T_ *)rh[r].q + d, 4);                               \
+                else /* the queries in f32, transposed: qt[d][r] */                                                \
+                    for (int d = 0; d < D; d++)                                                                    \
+                        qt[d * R + r - r0] = ELEM((const T_ *)rh[r].q + d);                                        \
             }                                                                                                      \
             for (long x = first / BLOCK; x <= last / BLOCK; x++) {                                                 \
                 for (int c = 0; c < D * BLOCK * (int)sizeof(T_); c += 64) /* the next tile */                      \
@@ -613,8 +681,8 @@ static inline __m256 ld8_bf16(const uint16_t *p) {
             ST_(o + c * W, (load_f32(p0 + 2 + c * W) * e[0] + load_f32(p1 + 2 + c * W) * e[1]) * inv);             \
     }
 
-ATTEND_KERNEL(attend_f32, float, store_f32, pair_f32, order_f32, row_f32)
-ATTEND_KERNEL(attend_bf16, uint16_t, store_bf16, pair_bf16, order_bf16, row_bf16)
+ATTEND_KERNEL(attend_f32, float, store_f32, keys_f32, order_f32, row_f32)
+ATTEND_KERNEL(attend_bf16, uint16_t, store_bf16, keys_bf16, order_bf16, row_bf16)
 
 /* Scratch that lives as long as its thread (OpenMP's pool threads live as long as the process): grown, never
    shrunk, so a call allocates nothing once warm. */
@@ -706,8 +774,8 @@ static int run_unit(const void *q, long q_stride, const void *kv, const void *kt
 }
 
 /* q: T rows of H heads of D (row stride q_stride elements, head stride D); kv: one layer's values [Hkv, S, D], head
-   by head, S = 32 x tiles; kt: its keys, in tiles [Hkv, tiles, D, 32] (their only copy: rope_store / store_keys write
-   them).
+   by head, S = 32 x tiles; kt: its keys, in tiles [Hkv, tiles, ...] (see tile_at; their only copy: rope_store /
+   store_keys write them).
    Row t attends the slots lo[t] .. hi[t] - 1, then tails[toff[t] .. toff[t + 1]) (at least one slot in all);
    out: [T, H, D] contiguous. D must be 16, 32, 64, 128 or 256. Returns 0, -1 when memory runs out, -2 for an
    unsupported D. (specdec_attend_latent: the same for multi-head latent attention.)
@@ -801,7 +869,7 @@ int specdec_attend(const void *q, long q_stride, const void *kv, const void *kt,
 }
 
 /* Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434), absorbed: all H query heads (D = kv_lora_rank +
-   rope_dim wide, in latent space) attend one vector per slot, kv [S, 1, D] (tiles kt [1, tiles, D, 32]), which is
+   rope_dim wide, in latent space) attend one vector per slot, kv [S, 1, D] (tiles kt [1, tiles, ...]), which is
    each slot's key, and whose first Dv (= kv_lora_rank) elements are its value. out: [T, H, Dv]. One KV head of H
    query heads: every key tile and value row is loaded once for up to MAX_R / MAX_RV heads. D a multiple of 16,
    Dv 16, 32 or a multiple of 64, at most D. Returns as specdec_attend. */
@@ -814,16 +882,16 @@ int specdec_attend_latent(const void *q, long q_stride, const void *kv, const vo
 }
 
 /* Copy keys [n_layers][end - start][Hkv][D] (the key of slot x at keys + layer * kv_layer + (x - start) * row:
-   rows of a qkv projection, or a latent cache's own rows [S, 1, D]) into the tiles kt [Hkv, tiles, D, 32], for
-   n_layers layers (kv_layer / kt_layer: elements between layers); esize: bytes per element (2 or 4). */
+   rows of a qkv projection, or a latent cache's own rows [S, 1, D]) into the tiles kt [Hkv, tiles, ...] (see
+   tile_at), for n_layers layers (kv_layer / kt_layer: elements between layers); esize: bytes per element (2 or 4). */
 #define STORE_KEYS(T_)                                                                                             \
     for (int layer = 0; layer < n_layers; layer++)                                                                 \
         for (long x = start; x < end; x++)                                                                         \
             for (int h = 0; h < Hkv; h++) {                                                                        \
                 const T_ *src = (const T_ *)keys + layer * kv_layer + (x - start) * row + h * D;                   \
-                T_ *dst = (T_ *)kt + layer * kt_layer + (h * tiles + x / BLOCK) * D * BLOCK + x % BLOCK;           \
+                T_ *dst = (T_ *)kt + layer * kt_layer + (h * tiles + x / BLOCK) * D * BLOCK;                       \
                 for (int d = 0; d < D; d++)                                                                        \
-                    dst[d * BLOCK] = src[d];                                                                       \
+                    dst[tile_at(d, x % BLOCK, sizeof(T_))] = src[d];                                               \
             }
 void specdec_store_keys(const void *keys, void *kt, int n_layers, long kv_layer, long kt_layer, long tiles, int Hkv,
                         int D, long row, long start, long end, int esize) {
@@ -867,9 +935,9 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
         for (int h = 0; h < Hkv; h++) /* the value, head by head */                                                \
             memcpy((T_ *)kv + ((long)h * tiles * BLOCK + slot) * D, row + (long)(H + Hkv + h) * D, sizeof(T_) * D); \
         for (int h = 0; h < Hkv; h++) {                                                                            \
-            T_ *dst = (T_ *)kt + ((long)h * tiles + slot / BLOCK) * D * BLOCK + slot % BLOCK;                      \
+            T_ *dst = (T_ *)kt + ((long)h * tiles + slot / BLOCK) * D * BLOCK;                                     \
             for (int d = 0; d < D; d++)                                                                            \
-                dst[d * BLOCK] = row[(long)(H + h) * D + d];                                                       \
+                dst[tile_at(d, slot % BLOCK, sizeof(T_))] = row[(long)(H + h) * D + d];                            \
         }                                                                                                          \
     }
 #define AS_IS(x) (x)
@@ -878,7 +946,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
    rotate_half being a roll by D / 2 with its sign folded into sin (cos, sin: f32 [T, D], the rows of the tables of
    models/transformer.py's Rope at the T positions); then row t's value stored at slot slots[t] of one layer's
    value cache kv [Hkv, S, D] (S = 32 x tiles; rows of several sequences go to their own slots), and its key in the
-   key tiles kt [Hkv, tiles, D, 32], the keys' only copy. One call
+   key tiles kt [Hkv, tiles, ...] (see tile_at), the keys' only copy. One call
    instead of the handful of small PyTorch ops a decode step would spend on it per layer. Each row is computed on
    its own, so batch invariance is kept. esize: bytes per element (2: bf16, 4: f32). */
 void specdec_rope_store(void *qkv, int T, int H, int Hkv, int D, const float *cos, const float *sin, void *kv,

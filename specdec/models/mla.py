@@ -132,7 +132,7 @@ class MLAttention:
         if plan.kind == "kernel":
             tile, lane = plan.slot_tiles
             c.kv[0, plan.slots, 0] = latent[0]
-            c.kt[0, tile, :, lane] = latent[0]  # the keys in their tiles too
+            c.kt[0, tile, :, lane] = kernels.tile_slots(c.kt, latent[0])  # the keys in their tiles too
             o = kernels.attend_latent(query.transpose(1, 2).contiguous(), c.kv, c.kt, self.r, *plan.full, self.scale)
             return o.transpose(1, 2)
         b, L = c.base, start + T
