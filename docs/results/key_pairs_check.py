@@ -65,8 +65,8 @@ def main() -> None:
             differ = max(differ, (got["old"][0] != got["new"][0]).double().mean().item())
             for n, (o, ref) in got.items():
                 err[n] = max(err.get(n, 0.0), (o.double() - ref).abs().max().item())
-        print(f"S {S} T {T} {' '.join(flags) or 'native'}: bitwise same={same} (outputs differing: {differ:.1%}); max |out - float64| "
-              + ", ".join(f"{n} {e:.2e}" for n, e in err.items()), flush=True)
+        print(f"S {S} T {T} {' '.join(flags) or 'native'}: bitwise same={same} (outputs differing: {differ:.1%}); "
+              "max |out - float64| " + ", ".join(f"{n} {e:.2e}" for n, e in err.items()), flush=True)
 
 
 if __name__ == "__main__":
