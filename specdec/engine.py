@@ -102,7 +102,7 @@ class Engine:
         self.prompt_cache = prompt_cache and model.kernel and model.fast_layers() is not None
         self.batched = model.kernel  # one forward for all sequences needs the attention kernel
         self.active: list[Sequence] = []
-        self.row_cost: dict[int, float] = {}  # rows of a step's forward -> EMA seconds (for attribute())
+        self.row_cost: dict[tuple[int, int], float] = {}  # (sequences, rows) of a step -> EMA seconds (attribute())
 
     @property
     def free_slots(self) -> int:
@@ -356,11 +356,13 @@ class Engine:
             self.step()
 
 
-def attribute(forward_s: float, drafts: list[int], row_cost: dict[int, float]) -> list[float]:
+def attribute(forward_s: float, drafts: list[int], row_cost: dict[tuple[int, int], float]) -> list[float]:
     """Each sequence's share of a step's forward (forward_s seconds over one pending row per sequence plus `drafts[i]`
     draft rows each): an equal share of what the forward would have cost without drafts, F(n) for n sequences, plus the
-    extra time (forward_s - F(n)) split over the draft rows. F comes from row_cost (seconds per row count, kept here as
-    an exponential average), which this call updates.
+    extra time (forward_s - F(n)) split over the draft rows. F comes from row_cost (seconds per (sequences, rows) of a
+    step, kept here as an exponential average), which this call updates. (Keyed by rows alone, the steps of 4
+    sequences with 4 draft rows each counted into F(8): after a continuous-batching run on Spec-Bench summarization
+    F(8) read 14.8 ms against 12.2 for 8 draft-free rows; docs/results/batch-row-cost-1206i.txt.)
 
     The extra time is the drafts' marginal cost: a draft of K rows is worth its expected accepted tokens A when A / (its
     marginal cost) beats n / F(n), the batch's own rate, and that is what a sequence's draft-length policy concludes
@@ -371,9 +373,9 @@ def attribute(forward_s: float, drafts: list[int], row_cost: dict[int, float]) -
     rag 1.07x faster (docs/results/batch-share-1204.txt). With one sequence the share is forward_s itself. Without a
     measured F (nothing draft-free seen yet) rows share forward_s equally."""
     n, rows = len(drafts), len(drafts) + sum(drafts)
-    old = row_cost.get(rows)
-    row_cost[rows] = forward_s if old is None else 0.8 * old + 0.2 * forward_s
-    base = forward_s if rows == n else row_cost.get(n)
+    old = row_cost.get((n, rows))
+    row_cost[n, rows] = forward_s if old is None else 0.8 * old + 0.2 * forward_s
+    base = forward_s if rows == n else row_cost.get((n, n))
     if n == 1 or base is None:
         return [forward_s * (1 + k) / rows for k in drafts]
     base = min(base, forward_s)  # a forward with more rows never costs less: the excess is noise

@@ -358,11 +358,13 @@ def test_a_batched_forward_charges_drafts_their_marginal_cost():
     before F(n) is known, and under the old rule, rows share the forward equally."""
     from specdec.engine import attribute
 
-    costs: dict[int, float] = {}
+    costs: dict[tuple[int, int], float] = {}
     assert attribute(0.005, [3], costs) == [0.005]  # one sequence: its rows are the forward
     assert attribute(0.016, [2, 0, 0, 0, 0, 0, 0, 0], costs) == pytest.approx([0.0048] + [0.0016] * 7)  # F(8) unknown
     assert attribute(0.008, [0] * 8, costs) == pytest.approx([0.001] * 8)  # a draft-free step measures F(8)
-    assert costs[8] == 0.008
+    assert costs[8, 8] == 0.008
+    attribute(0.012, [1, 1, 1, 1], costs)  # 8 rows of 4 sequences (a wave's end): not the draft-free F(8)
+    assert costs[8, 8] == 0.008
     shares = attribute(0.0108, [3, 0, 1, 0, 0, 0, 0, 0], costs)  # 12 rows: 2.8 ms over F(8)
     assert shares == pytest.approx([0.001 + 0.0021, 0.001, 0.001 + 0.0007] + [0.001] * 5)
     assert sum(shares) == pytest.approx(0.0108)
