@@ -8,9 +8,9 @@ queries, values and row spans; outputs compared bitwise, and both against float6
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -54,7 +54,15 @@ def run(lib: ctypes.CDLL, S: int, T: int, seed: int) -> tuple[torch.Tensor, torc
 
 
 def main() -> None:
-    old, new, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("old", help="attention.c before")
+    ap.add_argument("new", help="attention.c after")
+    ap.add_argument("flags", nargs=argparse.REMAINDER, help="compiler flags for both builds, e.g. -mno-avx512bf16")
+    a = ap.parse_args()
+    missing = [f for f in (a.old, a.new) if not Path(f).is_file()]
+    if missing:
+        ap.error(f"no such file: {', '.join(missing)}")
+    old, new, flags = a.old, a.new, a.flags
     tmp = Path(tempfile.mkdtemp())
     libs = {"old": build(old, flags, tmp / "old.so"), "new": build(new, flags, tmp / "new.so")}
     for S, T in ((5, 1), (100, 3), (700, 1), (1000, 9), (300, 16)):
