@@ -8,7 +8,8 @@ at one token and ~2x at 8 (AVX-512; AVX2 2.5-4x, docs/results/avx2-matmul.txt); 
 a slow path (see MACHINE-FACTS.md), so those layers cast their input to bf16 and the result back.
 
 - int8: symmetric, one scale per output row (absmax / 127).
-- int4: asymmetric, one (scale, zero) per group of 32 input columns, like GGUF's Q4_1: w = (q - 8) * scale + zero.
+- int4: asymmetric, one (scale, zero) per group of 32 input columns, like GGUF's Q4_1: w = (q - 8) * scale + zero;
+  a GGUF Q4_K tensor keeps its own two-level scales instead (format kernels.Q4K: exact, 4.625 bits a weight, not 5).
 """
 
 from __future__ import annotations
@@ -194,24 +195,29 @@ class Int4Linear(_Native):
         self._pack(q, scale, zero, b, group, lookup)
 
     @classmethod
-    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, b: torch.Tensor | None,
-                   lookup: bool = False) -> Int4Linear:
+    def from_codes(cls, codes: tuple[torch.Tensor, ...], b: torch.Tensor | None, lookup: bool = False) -> Int4Linear:
         """From codes q [N, K] (0..15) and per-group scale, zero [N, K/32] (w = (q - 8) scale + zero), e.g. a GGUF
-        Q4_0 / Q4_1 / Q4_K tensor's own codes, so no requantization error is added (only the rounding of scale and
-        zero to bf16)."""
+        Q4_0 / Q4_1 / Q4_K tensor's own codes (weights.LazyWeights.codes), so no requantization error is added: Q4_K's
+        own scales (d, dmin, sc, mn: codes[3:]) are kept as they are where the kernel runs, the others' scale and zero
+        are rounded to bf16."""
         self = cls.__new__(cls)
-        self._pack(q.to(torch.uint8), scale.float(), zero.float(), b, INT4_GROUP, lookup)
+        q, scale, zero = codes[:3]
+        self._pack(q.to(torch.uint8), scale.float(), zero.float(), b, INT4_GROUP, lookup, codes[3:] or None)
         return self
 
     def _pack(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, b: torch.Tensor | None, group: int,
-              lookup: bool = False) -> None:
-        """q [N, K] uint8 codes, scale / zero [N, K / group] f32; lookup: rows() will be asked (an embedding)."""
+              lookup: bool = False, q4k: tuple[torch.Tensor, ...] | None = None) -> None:
+        """q [N, K] uint8 codes, scale / zero [N, K / group] f32; lookup: rows() will be asked (an embedding); q4k:
+        Q4_K's (d, dmin, sc, mn) of the same weights."""
         n, k = q.shape
         self.group = group
         self.bias = b.to(torch.bfloat16) if b is not None else None  # [N]
         self.out_features = n
         self.native = group == kernels.GROUP and kernels.matmul_supports(n, k, q.device)
-        if self.native:  # matmul.c: codes [N/16, K/32, 4, 64], scales and zeros [N/16, K/32, 16]
+        if self.native and q4k is not None:  # matmul.c: codes [N/16, K/32, 4, 64], Q4_K's scales [N/16, K/256, 320]
+            self.bits, self.zeros = kernels.Q4K, None
+            self.weight, self.scales = kernels.pack_codes4(q), kernels.pack_q4k(*q4k)
+        elif self.native:  # matmul.c: codes [N/16, K/32, 4, 64], scales and zeros [N/16, K/32, 16]
             self.weight, self.scales, self.zeros = kernels.pack_int4(q, scale, zero)
             if not bool(self.zeros.any()):  # symmetric (GGUF Q4_0): no zeros to read, 1/9 fewer bytes per weight
                 self.zeros = None
@@ -232,6 +238,9 @@ class Int4Linear(_Native):
             blk, lane = ids // kernels.LANES, ids % kernels.LANES
             c = self.weight.view(nb, G, 4, kernels.LANES, 4)[blk, :, :, lane]  # [..., G, 4, 4]
             q = torch.stack([c & 15, c >> 4], dim=-2).reshape(*ids.shape, G, kernels.GROUP).float()
+            if self.bits == kernels.Q4K:  # w = q d sc - dmin mn
+                s, m = kernels.unpack_q4k(self.scales, blk, lane)
+                return (q * s[..., None] + m[..., None]).flatten(-2)
             s = self.scales[blk, :, lane].float()  # [..., G]
             z = self.zeros[blk, :, lane].float() if self.zeros is not None else torch.zeros_like(s)
         else:
@@ -261,7 +270,7 @@ def make_linear(w: torch.Tensor | Callable[[], torch.Tensor | Rows], b: torch.Te
     if quant == "auto":
         quant = "int4" if source_bits <= 5.01 else "int8"
     if quant == "int4" and codes is not None and codes[0].device.type == "cpu" and has_int4_kernel():
-        return Int4Linear.from_codes(*codes, b, lookup)
+        return Int4Linear.from_codes(codes, b, lookup)
     w = w() if callable(w) else w  # a tensor, or weights.Rows (read by ranges of rows)
     if quant == "int4" and w.device.type == "cpu" and has_int4_kernel() and w.shape[1] % INT4_GROUP == 0:
         return Int4Linear(w, b, lookup=lookup)

@@ -89,7 +89,7 @@ def test_dequantized_as_gguf_py_dequantizes(qtype):
     ref = torch.from_numpy(gguf.dequantize(data, q).astype(np.float32)).reshape(rows, cols)
     assert torch.equal(dequantize_f32(data, q, (rows, cols)), ref)
     if qtype in INT4_CODES:
-        codes, scale, zero = int4_codes(data, q)
+        codes, scale, zero = int4_codes(data, q)[:3]
         assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
         w = ((codes.float() - 8).reshape(rows, -1, 32) * scale[..., None] + zero[..., None]).reshape(rows, cols)
         torch.testing.assert_close(w, ref, rtol=1e-5, atol=1e-6)

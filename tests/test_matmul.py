@@ -4,6 +4,8 @@ says (checked against an independent re-statement in PyTorch), close to the dequ
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -173,8 +175,8 @@ def test_symmetric_int4_reads_no_zeros():
     g = torch.Generator().manual_seed(3)
     q = torch.randint(0, 16, (64, 128), generator=g)
     scale = torch.rand(64, 4, generator=g) * 0.01 + 0.001
-    sym = Int4Linear.from_codes(q, scale, torch.zeros(64, 4), None)
-    asym = Int4Linear.from_codes(q, scale, torch.full((64, 4), 1e-3), None)
+    sym = Int4Linear.from_codes((q, scale, torch.zeros(64, 4)), None)
+    asym = Int4Linear.from_codes((q, scale, torch.full((64, 4), 1e-3)), None)
     assert sym.zeros is None and asym.zeros is not None
     x = torch.randn(5, 128, generator=g).to(torch.bfloat16)
     zeros = torch.zeros_like(asym.zeros)
@@ -183,6 +185,71 @@ def test_symmetric_int4_reads_no_zeros():
     ids = torch.tensor([0, 17, 63])
     ref = ((q[ids].float() - 8).reshape(3, 4, 32) * scale[ids].to(torch.bfloat16).float()[..., None]).reshape(3, 128)
     torch.testing.assert_close(sym.rows(ids), ref)
+
+
+def q4k_blocks(n: int, k: int, seed: int) -> np.ndarray:
+    """Random GGUF Q4_K bytes for an [n, k] tensor: every code and 6-bit scale pattern, f16 d and dmin finite."""
+    g = np.random.default_rng(seed)
+    data = g.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    data[..., 0:4] = (np.abs(g.standard_normal((n, k // 256, 2))) * 0.002).astype(np.float16).view(np.uint8)
+    return data.reshape(n, -1)
+
+
+def q4k_linear(n: int, k: int, seed: int) -> tuple[Int4Linear, torch.Tensor]:
+    """A Q4_K tensor as the GGUF loader makes it (its own codes and scales), and its weights as gguf-py dequantizes
+    them (f32, exact: d sc q - dmin mn)."""
+    from specdec.weights.gguf import int4_codes
+
+    data = q4k_blocks(n, k, seed)
+    w = torch.from_numpy(gguf.dequantize(data, gguf.GGMLQuantizationType.Q4_K).astype(np.float32)).reshape(n, k)
+    return Int4Linear.from_codes(int4_codes(data, gguf.GGMLQuantizationType.Q4_K), None), w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_q4k_scales_are_used_as_they_are(dtype):
+    """A GGUF Q4_K tensor keeps its own two-level scales (format Q4K: 8-bit scale and minimum codes per 32, f16 d
+    and dmin per 256: 4.625 bits a weight, not the 5 of bf16 scale and zero): the kernel computes the header's sums
+    with d sc and -dmin mn exact (against a float64 re-statement, to f32 rounding), rows() gives gguf-py's weights
+    bit for bit, and rows are batch-invariant on every pass size."""
+    n, k = 96, 768
+    lin, w = q4k_linear(n, k, seed=5)
+    assert lin.native and lin.bits == kernels.Q4K and lin.zeros is None
+    assert sum(t.numel() * t.element_size() for t in lin.tensors()) == n * k * 37 // 64  # 4.625 bits a weight
+    x = (torch.randn(11, k, generator=torch.Generator().manual_seed(2)) * 2).to(dtype)
+    y = lin(x)
+    qx, d = quantized_rows(x)
+    wq = w.double().reshape(n, k // 32, 32)
+    dot = torch.einsum("tgj,ngj->tng", qx, wq)  # the weights are exact in f64: d sc q - dmin mn
+    ref = (d[:, None, :, 0] * dot).sum(-1)
+    rounding = 2e-3 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.double(), ref, atol=rounding * ref.abs().max().item(), rtol=rounding)
+    ids = torch.tensor([0, 15, 16, 95, 40])
+    assert torch.equal(lin.rows(ids), w[ids])
+    for T in range(1, 12):
+        assert torch.equal(lin(x[:T]), y[:T]) and torch.equal(lin(x[T - 1:T]), y[T - 1:T])
+    # the fused paths take the format too: SwiGLU over gate|up rows, residual add
+    h = lin.apply(x, swiglu=True)
+    gate, up = y.float().chunk(2, dim=-1)
+    torch.testing.assert_close(h.float(), torch.nn.functional.silu(gate) * up, atol=0.02 * gate.abs().max().item(),
+                               rtol=0.02)
+
+
+def test_q4k_without_its_scales_rounds_them():
+    """Without Q4_K's own scales (a stack of Q4_K with another format), the codes keep bf16 scale and zero: the
+    same weights to bf16 rounding, not exactly, which is what the Q4K format is for."""
+    lin, w = q4k_linear(64, 512, seed=6)
+    rounded = Int4Linear.from_codes(_codes_only(64, 512, seed=6), None)
+    assert rounded.bits == 4 and rounded.zeros is not None
+    ids = torch.arange(64)
+    assert torch.equal(lin.rows(ids), w)
+    assert not torch.equal(rounded.rows(ids), w)
+    torch.testing.assert_close(rounded.rows(ids), w, atol=2e-2 * w.abs().max().item(), rtol=1e-2)
+
+
+def _codes_only(n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    from specdec.weights.gguf import int4_codes
+
+    return int4_codes(q4k_blocks(n, k, seed), gguf.GGMLQuantizationType.Q4_K)[:3]
 
 
 @pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
@@ -195,7 +262,7 @@ def test_heads_in_one_call_equal_each_head_alone(cls, dtype):
     if cls is Int4Linear:
         g = torch.Generator().manual_seed(3)
         q, scale = torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // 32, generator=g) * 0.01 + 0.001
-        layers[2] = Int4Linear.from_codes(q, scale, torch.zeros(n, k // 32), None)  # symmetric: no zeros to read
+        layers[2] = Int4Linear.from_codes((q, scale, torch.zeros(n, k // 32)), None)  # symmetric: no zeros to read
         assert layers[2].zeros is None and layers[0].zeros is not None
     ptrs = kernels.head_pointers(layers)
     g = torch.Generator().manual_seed(1)

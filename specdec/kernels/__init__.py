@@ -288,6 +288,7 @@ def forward_lib() -> ctypes.CDLL | None:
 
 
 LANES, GROUP = 16, 32  # output rows per block, inputs per quantization group (matmul.c)
+Q4K, KGROUPS = 20, 8  # matmul.c's format code for int4 codes with Q4_K's scales; groups per Q4_K super-block
 
 
 def matmul_supports(n: int, k: int, device: torch.device) -> bool:
@@ -298,19 +299,47 @@ def matmul_supports(n: int, k: int, device: torch.device) -> bool:
 PACK_ROWS = 4096  # rows packed at a time: the layout's temporaries stay a few MB (a 262k-row table's were GBs)
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """matmul.c's int4 layout from codes q [N, K] (0..15) and per-group scale, zero [N, K/32] (w = (q - 8) s + z)
-    -> (codes [N/16, K/32, 4, 64] uint8: instruction 2j in the low nibbles, 2j + 1 in the high ones; scales and
-    zeros [N/16, K/32, 16] bf16). Packed by PACK_ROWS rows into the outputs."""
-    N, K = q.shape
-    nb, G = N // LANES, K // GROUP
-    packed = torch.empty(nb, G, 4, 64, dtype=torch.uint8)
+def pack_codes4(q: torch.Tensor) -> torch.Tensor:
+    """matmul.c's int4 codes from q [N, K] (0..15) -> [N/16, K/32, 4, 64] uint8: instruction 2j in the low nibbles,
+    2j + 1 in the high ones. Packed by PACK_ROWS rows into the output."""
+    N, G = q.shape[0], q.shape[1] // GROUP
+    packed = torch.empty(N // LANES, G, 4, 64, dtype=torch.uint8)
     for a in range(0, N, PACK_ROWS):
         rows = q[a:a + PACK_ROWS].to(torch.uint8)
         codes = rows.reshape(-1, LANES, G, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(-1, G, 4, 2, 64)
         packed[a // LANES:(a + rows.shape[0]) // LANES] = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)
+    return packed
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """matmul.c's int4 layout from codes q [N, K] (0..15) and per-group scale, zero [N, K/32] (w = (q - 8) s + z)
+    -> (codes (pack_codes4), scales and zeros [N/16, K/32, 16] bf16)."""
+    nb, G = q.shape[0] // LANES, q.shape[1] // GROUP
     per_block = lambda t: t.reshape(nb, LANES, G).transpose(1, 2).to(torch.bfloat16).contiguous()  # noqa: E731
-    return packed, per_block(scale), per_block(zero)
+    return pack_codes4(q), per_block(scale), per_block(zero)
+
+
+def pack_q4k(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """matmul.c's Q4_K scales (format Q4K) from a Q4_K tensor's own: d, dmin [N, K/256] (f16 values), sc, mn
+    [N, K/32] (6-bit codes) -> [N/16, K/256, 320] uint8: per block of 16 rows and super-block, f16 d [16] and
+    -dmin [16], then sc [8, 16] and mn [8, 16] (group-major, one byte a row)."""
+    N, S = d.shape
+    nb = N // LANES
+    f = torch.stack([d, -dmin], dim=-1).to(torch.float16)  # [N, S, 2], exact: the file's f16 values
+    f = f.reshape(nb, LANES, S, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(nb, S, 64)
+    c = torch.stack([sc.reshape(N, S, KGROUPS), mn.reshape(N, S, KGROUPS)], dim=2).to(torch.uint8)  # [N, S, 2, 8]
+    c = c.reshape(nb, LANES, S, 2 * KGROUPS).permute(0, 2, 3, 1).reshape(nb, S, 2 * KGROUPS * LANES)
+    return torch.cat([f, c], dim=-1).contiguous()
+
+
+def unpack_q4k(meta: torch.Tensor, blk: torch.Tensor, lane: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (block blk, lane) of pack_q4k's scales -> per-group scale d sc and minimum factor -dmin mn [..., K/32]
+    f32 (a row's w = q scale + minimum)."""
+    nb, S = meta.shape[:2]
+    f = meta[..., :64].contiguous().view(torch.float16).reshape(nb, S, 2, LANES)[blk, :, :, lane].float()
+    c = meta[..., 64:].reshape(nb, S, 2, KGROUPS, LANES)[blk, :, :, :, lane].float()  # [..., S, 2, 8]
+    both = f[..., None] * c
+    return both[..., 0, :].flatten(-2), both[..., 1, :].flatten(-2)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
@@ -327,7 +356,8 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
            n: int, norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
            residual: torch.Tensor | None = None, widen: bool = False) -> torch.Tensor:
-    """y = x W^T for x [..., K] (f32 or bf16) and a weight [n, K] packed by pack_int4 / pack_int8 -> [..., n] in
+    """y = x W^T for x [..., K] (f32 or bf16) and a weight [n, K] packed by pack_int4 (bits 4), pack_codes4 with
+    pack_q4k's scales (bits Q4K, zeros None) or pack_int8 (bits 8) -> [..., n] in
     x's dtype; fused (see matmul.c): norm (f32 [K]) RMS-normalizes x's rows first, swiglu returns
     silu(first half) * second half [..., n / 2], residual [..., n or n / 2] is added. widen: float32 out, bitwise
     what `.float()` of the x-dtype result gives, without that second pass (an output head's logits)."""

@@ -23,6 +23,12 @@
    2j in the low nibbles and 2j + 1 in the high nibbles of 64 bytes (256 bytes per block and group); int8 stores them
    as they are (512 bytes).
 
+   Q4_K (bits = Q4K): the int4 codes as above with GGUF Q4_K's own two-level scales instead of bf16 ones, so a Q4_K
+   file's weights are used exactly (d sc and dmin mn are an f16 times a 6-bit integer: exact in f32, not in bf16) and
+   in 4.625 bits a weight rather than 5: per block of 16 rows and super-block of 8 groups (256 inputs), KSUPER bytes
+   hold f16 d [16] and -dmin [16] (one per row), then the scale codes sc [8][16] and minimum codes mn [8][16], a byte
+   each; group g's scale is d sc and its minimum factor (m above) -dmin mn, both exact products.
+
    Batch invariance: every output (t, n) is computed by the same instructions in the same order (groups in order,
    exact integer sums inside a group) whatever T is, however rows are blocked, and whichever thread takes its block
    of 16 outputs; so row t of a verification forward over T tokens is bitwise the decode step of that token alone.
@@ -43,7 +49,7 @@
 #define HAVE_VNNI 1
 #define HAVE_AVX2 0
 #include "vexp.h"
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_VNNI 0
 #define HAVE_AVX2 1 /* CPUs without AVX-512 (AMD Zen 1-3, Intel client cores before Ice Lake, ...): see AVX2 below */
@@ -64,6 +70,9 @@
 
 #define GROUP 32
 #define LANES 16
+#define Q4K 20      /* bits: int4 codes with Q4_K's scales (see the header) */
+#define KSUPER 320  /* bytes of Q4_K scales per block of 16 rows and super-block of 8 groups */
+#define KGROUPS 8   /* groups a super-block */
 #define WIDEN 2 /* specdec_matmul's bf16 = 2: bf16 inputs, outputs rounded to bf16 and stored widened to f32 */
 /* activation rows per pass over a block's weights (register blocking). AVX-512: one accumulator a row in the pass
    (int4's minimum term fused into it only up to YM_FUSED_MAX rows, else in a pass of its own), up to 9 rows, and
@@ -279,11 +288,20 @@ static inline __m512 min_scale(__m512 sg, const uint16_t *z, int g) {
              : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sg);
 }
 
-/* The minimum term of rows [t0, t0 + nt) over every group, one chain a row (the same sums wherever it runs) */
-static inline __attribute__((always_inline)) void min_term(const uint16_t *s, const uint16_t *z, int G,
+/* Group g's scale (which = 0: d sc) or minimum factor (1: -dmin mn) from a block's Q4_K scales m (see the header) */
+static inline __m512 kq_factor(const uint16_t *m, int g, int which) {
+    const uint8_t *sb = (const uint8_t *)m + (long)(g / KGROUPS) * KSUPER;
+    __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32 * which)));
+    __m128i c = _mm_loadu_si128((const __m128i *)(sb + 2 * 32 + KGROUPS * LANES * which + LANES * (g % KGROUPS)));
+    return _mm512_mul_ps(f, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)));
+}
+
+/* The minimum term of rows [t0, t0 + nt) over every group, one chain a row (the same sums wherever it runs); kq:
+   s holds Q4_K scales */
+static inline __attribute__((always_inline)) void min_term(const uint16_t *s, const uint16_t *z, const int kq, int G,
                                                            const float *ds, int t0, const int nt, __m512 *ym) {
     for (int g = 0; g < G; g++) {
-        __m512 mg = min_scale(load_bf16x16(s + (long)g * LANES), z, g);
+        __m512 mg = kq ? kq_factor(s, g, 1) : min_scale(load_bf16x16(s + (long)g * LANES), z, g);
         for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
     }
 }
@@ -306,9 +324,9 @@ static inline __m512i group_dot(const __m512i u[8], const int8_t *q) {
 /* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS4: the scale term over every group (one FMA
    per row and group), then the minimum term in its own pass (its own chain, as before: the same sums), so a pass
    keeps one accumulator a row in registers and takes up to ROWS4 rows. Inlined with nt a constant (ROW_CASES
-   below): with nt a variable GCC kept the accumulators on the stack. */
+   below): with nt a variable GCC kept the accumulators on the stack. kq: s holds Q4_K scales (see the header). */
 static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w, const uint16_t *s, const uint16_t *z,
-                                                               int G, const int8_t *qx, const float *d,
+                                                               const int kq, int G, const int8_t *qx, const float *d,
                                                                const float *ds, int K, int t0, const int nt,
                                                                float *acc_out) {
     __m512 y[ROWS4], ym[ROWS4];
@@ -318,7 +336,8 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
         const uint8_t *wg = w + (long)g * 256;
 #if PREFETCH
         for (int j = 0; j < 4; j++) PREFETCH_ROWS(nt, (const char *)(wg + PREFETCH + 64 * j));
-        PREFETCH_ROWS(nt, (const char *)(s + (long)g * LANES + PREFETCH / 8));
+        PREFETCH_ROWS(nt, kq ? (const char *)s + (long)g * (KSUPER / KGROUPS) + PREFETCH * KSUPER / (KGROUPS * 256)
+                             : (const char *)(s + (long)g * LANES + PREFETCH / 8));
         if (z) PREFETCH_ROWS(nt, (const char *)(z + (long)g * LANES + PREFETCH / 8));
 #endif
         __m512i u[8];
@@ -327,18 +346,18 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
             u[2 * j] = _mm512_and_si512(p, lo);
             u[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
         }
-        __m512 sg = load_bf16x16(s + (long)g * LANES);
+        __m512 sg = kq ? kq_factor(s, g, 0) : load_bf16x16(s + (long)g * LANES);
         for (int r = 0; r < nt; r++) {
             __m512i a = group_dot(u, qx + (long)(t0 + r) * K + (long)g * GROUP);
             y[r] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(d[(long)(t0 + r) * G + g])), _mm512_cvtepi32_ps(a),
                                    y[r]);
         }
         if (nt <= YM_FUSED_MAX) { /* few rows: the minimum term in this loop, registers to spare */
-            __m512 mg = min_scale(sg, z, g);
+            __m512 mg = kq ? kq_factor(s, g, 1) : min_scale(sg, z, g);
             for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
         }
     }
-    if (nt > YM_FUSED_MAX) min_term(s, z, G, ds, t0, nt, ym);
+    if (nt > YM_FUSED_MAX) min_term(s, z, kq, G, ds, t0, nt, ym);
     for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
 }
 
@@ -497,6 +516,22 @@ static inline __m256i bcast4(const int8_t *q) {
     return _mm256_set1_epi32(b);
 }
 
+/* kq_factor of the AVX-512 path, half h of the block's 16 rows */
+static inline __m256 kq_factor8(const uint16_t *m, int g, int which, int h) {
+    const uint8_t *sb = (const uint8_t *)m + (long)(g / KGROUPS) * KSUPER;
+    __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 * which + 16 * h)));
+    const uint8_t *codes = sb + 2 * 32 + KGROUPS * LANES * which + LANES * (g % KGROUPS) + 8 * h;
+    __m128i c = _mm_loadl_epi64((const __m128i *)codes);
+    return _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)));
+}
+
+/* min_scale of the AVX-512 path for half h (sg: the group's scale; unused with Q4_K scales, kq) */
+static inline __m256 min_scale8(__m256 sg, const uint16_t *s, const uint16_t *z, const int kq, int g, int h) {
+    if (kq) return kq_factor8(s, g, 1, h);
+    return z ? _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sg, load_bf16x8(z + (long)g * LANES + 8 * h))
+             : _mm256_mul_ps(_mm256_set1_ps(-8.0f), sg);
+}
+
 /* block_int4 of the AVX-512 path (see there) for rows [t0, t0 + nt), nt <= ROWS4: the scale term over every group
    (one VPMADDWD per row, group and half of the block: the s16 sums of a group's 4 x 2 instructions) and the minimum
    term (its own chain in both paths, so the same sums), in the same loop up to YM_FUSED_MAX rows (T = 1-3 products
@@ -507,7 +542,7 @@ static inline __m256i bcast4(const int8_t *q) {
    (block_int4 below): with nt known the row loops unroll and the accumulators stay in registers; with nt a variable
    GCC 12 kept them on the stack (a load and a store around every add) and branched on nt in the inner loop. */
 static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w, const uint16_t *s, const uint16_t *z,
-                                                               int G, const int8_t *qx, const float *d,
+                                                               const int kq, int G, const int8_t *qx, const float *d,
                                                                const float *ds, int K, int t0, const int nt,
                                                                float *acc_out) {
     const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -534,14 +569,13 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
                 }
             }
         for (int h = 0; h < 2; h++) {
-            __m256 sg = load_bf16x8(s + (long)g * LANES + 8 * h);
+            __m256 sg = kq ? kq_factor8(s, g, 0, h) : load_bf16x8(s + (long)g * LANES + 8 * h);
             for (int r = 0; r < nt; r++) {
                 __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[h][r], ones));
                 y[h][r] = _mm256_fmadd_ps(_mm256_mul_ps(sg, _mm256_set1_ps(d[(long)(t0 + r) * G + g])), dot, y[h][r]);
             }
             if (nt <= YM_FUSED_MAX) { /* few rows: the minimum term's chain in this loop, its zeros read once */
-                __m256 mg = z ? _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sg, load_bf16x8(z + (long)g * LANES + 8 * h))
-                              : _mm256_mul_ps(_mm256_set1_ps(-8.0f), sg);
+                __m256 mg = min_scale8(sg, s, z, kq, g, h);
                 for (int r = 0; r < nt; r++)
                     ym[h][r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(ds[(long)(t0 + r) * G + g]), ym[h][r]);
             }
@@ -549,9 +583,7 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
     }
     for (int g = 0; g < (nt <= YM_FUSED_MAX ? 0 : G); g++) /* more rows: the minimum term in a pass of its own */
         for (int h = 0; h < 2; h++) {
-            __m256 sg = load_bf16x8(s + (long)g * LANES + 8 * h);
-            __m256 mg = z ? _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sg, load_bf16x8(z + (long)g * LANES + 8 * h))
-                          : _mm256_mul_ps(_mm256_set1_ps(-8.0f), sg);
+            __m256 mg = min_scale8(kq ? _mm256_setzero_ps() : load_bf16x8(s + (long)g * LANES + 8 * h), s, z, kq, g, h);
             for (int r = 0; r < nt; r++)
                 ym[h][r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(ds[(long)(t0 + r) * G + g]), ym[h][r]);
         }
@@ -621,11 +653,16 @@ static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w,
     case 13: CALL(13); break; case 14: CALL(14); break; case 15: CALL(15); break; default: CALL(16); break; \
     }
 
-static void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx, const float *d,
-                       const float *ds, int K, int t0, int nt, float *acc_out) {
-#define CALL4(n) block_int4_n(w, s, z, G, qx, d, ds, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
-    ROW_CASES(CALL4)
+static void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, int kq, int G, const int8_t *qx,
+                       const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
+#define CALL4(n) block_int4_n(w, s, z, 0, G, qx, d, ds, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
+#define CALL4K(n) block_int4_n(w, s, NULL, 1, G, qx, d, ds, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
+    if (kq)
+        ROW_CASES(CALL4K)
+    else
+        ROW_CASES(CALL4)
 #undef CALL4
+#undef CALL4K
 }
 
 static void block_int8(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d, const float *c,
@@ -715,7 +752,8 @@ static inline void amx_unpack4(const uint8_t *w, int m, uint8_t *u) {
    in the same order (the minimum term in its own pass, as block_int4_n does above YM_FUSED_MAX rows). Inlined with
    nt a constant (AMX_CASES) so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void block_int4_amx_n(const uint8_t *w, const uint16_t *s,
-                                                                   const uint16_t *z, int G, const int8_t *qx,
+                                                                   const uint16_t *z, const int kq, int G,
+                                                                   const int8_t *qx,
                                                                    const float *d, const float *ds, int K, int t0,
                                                                    const int nt, float *acc_out) {
     __m512 y[AMX_ROWS];
@@ -736,7 +774,7 @@ static inline __attribute__((always_inline)) void block_int4_amx_n(const uint8_t
         }
         for (int j = 0; j < m; j++) {
             int g = g0 + j;
-            __m512 sg = load_bf16x16(s + (long)g * LANES);
+            __m512 sg = kq ? kq_factor(s, g, 0) : load_bf16x16(s + (long)g * LANES);
             for (int r = 0; r < nt; r++) {
                 __m512i a = _mm512_load_si512((const void *)(c[p & 1] + (j * AMX_ROWS + r) * LANES));
                 long gi = (long)(t0 + r) * G + g;
@@ -746,7 +784,7 @@ static inline __attribute__((always_inline)) void block_int4_amx_n(const uint8_t
     }
     __m512 ym[AMX_ROWS];
     for (int r = 0; r < AMX_ROWS; r++) ym[r] = _mm512_setzero_ps();
-    min_term(s, z, G, ds, t0, nt, ym);
+    min_term(s, z, kq, G, ds, t0, nt, ym);
     for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
 }
 
@@ -784,11 +822,16 @@ static inline __attribute__((always_inline)) void block_int8_amx_n(const uint8_t
     case 14: CALL(14); break; case 15: CALL(15); break; default: CALL(16); break;                                     \
     }
 
-static void block_int4_amx(const uint8_t *w, const uint16_t *s, const uint16_t *z, int G, const int8_t *qx,
+static void block_int4_amx(const uint8_t *w, const uint16_t *s, const uint16_t *z, int kq, int G, const int8_t *qx,
                            const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
-#define CALLA4(n) block_int4_amx_n(w, s, z, G, qx, d, ds, K, t0, n, acc_out)
-    AMX_CASES(CALLA4)
+#define CALLA4(n) block_int4_amx_n(w, s, z, 0, G, qx, d, ds, K, t0, n, acc_out)
+#define CALLA4K(n) block_int4_amx_n(w, s, NULL, 1, G, qx, d, ds, K, t0, n, acc_out)
+    if (kq)
+        AMX_CASES(CALLA4K)
+    else
+        AMX_CASES(CALLA4)
 #undef CALLA4
+#undef CALLA4K
 }
 
 static void block_int8_amx(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
@@ -812,7 +855,10 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
                       const qrows *x, int K, int T, float *acc) {
     const int8_t *qx = x->q;
     const float *d = x->d, *ds = x->ds, *c = x->c;
-    long wblock = (long)G * (bits == 4 ? 256 : 512); /* bytes of codes per block of 16 rows */
+    int kq = bits == Q4K, int4 = bits == 4 || kq;
+    long wblock = (long)G * (int4 ? 256 : 512); /* bytes of codes per block of 16 rows */
+    /* int4 scales per block of 16 rows, in uint16 units: bf16 [G, 16], or Q4_K's KSUPER bytes a super-block */
+    long sblock = kq ? (long)G / KGROUPS * (KSUPER / 2) : (long)G * LANES;
 #if HAVE_AMX
     int t_amx = 0; /* rows done on tiles of 16, then one of AMX_MIN_ROWS..15 rows; the rest below on VNNI (fewer rows
                       gain nothing from tiles: a 3072 x 576 int4 product at T = 2 took 41 us on tiles, 23 us on VNNI;
@@ -820,8 +866,8 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
     if (amx_on)
         while (T - t_amx >= AMX_MIN_ROWS || T - t_amx >= AMX_ROWS) {
             int nt = T - t_amx < AMX_ROWS ? T - t_amx : AMX_ROWS;
-            if (bits == 4)
-                block_int4_amx(w + b * wblock, s + b * G * LANES, z ? z + b * G * LANES : NULL, G, qx, d, ds, K,
+            if (int4)
+                block_int4_amx(w + b * wblock, s + b * sblock, z ? z + b * G * LANES : NULL, kq, G, qx, d, ds, K,
                                t_amx, nt, acc + t_amx * LANES);
             else
                 block_int8_amx(w + b * wblock, s + b * LANES, G, qx, d, c, K, t_amx, nt, acc + t_amx * LANES);
@@ -832,17 +878,20 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
 #endif
     /* the rows left in passes of nearly equal size (16 rows at 5 a pass: 4, 4, 4, 4 rather than 5, 5, 5, 1: a pass
        over one row reads the block's weights for one row's work); a row's output does not depend on its pass */
-    int rows = bits == 4 ? ROWS4 : ROWS8, left = T - t_amx, passes = (left + rows - 1) / rows;
+    int rows = int4 ? ROWS4 : ROWS8, left = T - t_amx, passes = (left + rows - 1) / rows;
     for (int p = 0, t0 = t_amx; p < passes; p++) {
         int nt = left / passes + (p < left % passes);
-        if (bits == 4)
-            block_int4(w + b * wblock, s + b * G * LANES, z ? z + b * G * LANES : NULL, G, qx, d, ds, K, t0, nt,
+        if (int4)
+            block_int4(w + b * wblock, s + b * sblock, z ? z + b * G * LANES : NULL, kq, G, qx, d, ds, K, t0, nt,
                        acc + t0 * LANES);
         else
             block_int8(w + b * wblock, s + b * LANES, G, qx, d, c, x->sum, K, t0, nt, acc + t0 * LANES);
         t0 += nt;
     }
 }
+
+/* Whether bits names a weight format the kernel takes for K inputs (Q4_K's scales come in super-blocks of 256) */
+static int format_ok(int bits, int K) { return bits == 4 || bits == 8 || (bits == Q4K && K % (KGROUPS * GROUP) == 0); }
 
 static void qrows_free(qrows *o) { free(o->q), free(o->d), free(o->ds), free(o->c), free(o->sum); }
 
@@ -870,8 +919,9 @@ static int quantized_input(const void *x, int bf16, int T, int K, const float *n
 
 #endif
 
-/* y = x [T, K] W^T, W [N, K]. bits: 4 or 8. w: packed codes (see the header), s / z: bf16 scales / zeros laid out
-   [N/16, K/32, 16] (int4; z NULL: every zero is 0, symmetric weights) or s [N] (int8, z unused). x, y and residual
+/* y = x [T, K] W^T, W [N, K]. bits: 4, 8 or Q4K. w: packed codes (see the header), s / z: bf16 scales / zeros laid
+   out [N/16, K/32, 16] (int4; z NULL: every zero is 0, symmetric weights), s [N] (int8, z unused), or s Q4_K's
+   scales [N/16, K/256, KSUPER bytes] (Q4K, z unused). x, y and residual
    are bf16 when bf16 is 1, f32 when 0; bf16 = WIDEN: x and residual bf16, y f32 holding the bf16-rounded values (what
    widening a bf16 result gives, written in one pass: an output head's logits).
    norm: f32 [K] RMSNorm weight applied to x's rows first (eps inside the root), or NULL. swiglu: y [T, N/2] =
@@ -882,7 +932,7 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
                    const uint16_t *z, void *y, int bf16, const float *norm, float eps, int swiglu,
                    const void *residual) {
 #if HAVE_KERNEL
-    if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || (bits != 4 && bits != 8) || T < 1) return -2;
+    if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || !format_ok(bits, K) || T < 1) return -2;
     int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N;
     qrows in;
     if (qrows_alloc(&in, T, K)) return -1;
@@ -963,7 +1013,7 @@ int specdec_rows_int8(const uint8_t *w, const uint16_t *s, int N, int K, const i
 int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, const uint8_t *const *w,
                          const uint16_t *const *s, const uint16_t *const *z, void *y, int bf16) {
 #if HAVE_KERNEL
-    if (K % GROUP || N % LANES || (bits != 4 && bits != 8) || T < 1 || H < 1) return -2;
+    if (K % GROUP || N % LANES || !format_ok(bits, K) || T < 1 || H < 1) return -2;
     int G = K / GROUP, blocks = N / LANES;
     qrows in;
     if (quantized_input(x, bf16, H * T, K, NULL, 0.0f, &in)) return -1;
@@ -1001,8 +1051,8 @@ int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, co
 int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int E, int I, int bits13, int bits2,
                     const int64_t *w13, const int64_t *w2, void *out, int bf16) {
 #if HAVE_KERNEL
-    if (D % GROUP || I % GROUP || I % LANES || D % LANES || (bits13 != 4 && bits13 != 8) ||
-        (bits2 != 4 && bits2 != 8) || R < 1 || k < 1)
+    if (D % GROUP || I % GROUP || I % LANES || D % LANES || !format_ok(bits13, D) || !format_ok(bits2, I) || R < 1 ||
+        k < 1)
         return -2;
     int n = R * k, G1 = D / GROUP, G2 = I / GROUP, esize = bf16 ? 2 : 4;
     int *count = calloc((size_t)E + 1, sizeof(int)), *order = malloc(sizeof(int) * (size_t)n);

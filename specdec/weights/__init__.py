@@ -35,7 +35,8 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         self.source_bytes = source_bytes  # bytes each tensor occupies in the file (for bandwidth accounting)
         self._numel = numel
         # int4 codes taken from the file without dequantizing (GGUF Q4_0 / Q4_1 / Q4_K): name -> () -> (q, scale,
-        # zero) with q [N, K] in 0..15 and scale, zero [N, K / 32] (w = (q - 8) scale + zero)
+        # zero) with q [N, K] in 0..15 and scale, zero [N, K / 32] (w = (q - 8) scale + zero), then Q4_K's own
+        # scales (gguf.int4_codes)
         self._codes = codes or {}
         self.recorder = None
         self.linears: dict[str, dict] = {}  # what was recorded: key -> {"class", "attrs"}
@@ -55,13 +56,15 @@ class LazyWeights(Mapping[str, torch.Tensor]):
             out = max(out, 8.0 * self.source_bytes[name] / numel if numel else 32.0)
         return out
 
-    def codes(self, *names: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def codes(self, *names: str) -> tuple[torch.Tensor, ...] | None:
         """The int4 codes of `names` stacked by rows (as torch.cat of the matrices would be), when every one of them
-        is stored in a 4-bit format with groups of 32 (else None: dequantize and requantize)."""
+        is stored in a 4-bit format with groups of 32 (else None: dequantize and requantize); with Q4_K's own scales
+        when every one is Q4_K."""
         if not names or not all(n in self._codes for n in names):
             return None
         parts = [self._codes[n]() for n in names]
-        return tuple(torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
+        n = min(len(p) for p in parts)
+        return tuple(torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(n))
 
     def rows(self, name: str) -> Rows | torch.Tensor:
         """A matrix to be requantized by rows (quant.Int8Linear / Int4Linear): read a range of rows at a time where

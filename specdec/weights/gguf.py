@@ -313,12 +313,12 @@ def read_gguf(path: Path) -> LoadedModel:
         return Rows(shape, read)
 
     def code_loader(t, name: str, expert: int | None = None):
-        def load() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def load() -> tuple[torch.Tensor, ...]:
             data = t.data if expert is None else t.data[expert]
-            q, scale, zero = int4_codes(np.asarray(data), GGMLQuantizationType(t.tensor_type))
+            parts = int4_codes(np.asarray(data), GGMLQuantizationType(t.tensor_type))
             if expert is None or expert == t.shape[-1] - 1:
                 release(t)
-            return tuple(rope_layout(args, name, permuted(x, name)) for x in (q, scale, zero))
+            return tuple(rope_layout(args, name, permuted(x, name)) for x in parts)
 
         return load
 
@@ -457,23 +457,23 @@ def _q8_0(b: torch.Tensor) -> torch.Tensor:
     return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])[:, None]
 
 
-def _q4_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _q4_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Q4_K super-blocks [n, 144] (f16 d, dmin; 8 6-bit scales and minimums in 12 bytes, as llama.cpp's
-    get_scale_min_k4 reads them; 128 bytes of nibbles) -> codes [n, 8, 32] uint8, d sc and dmin mn [n, 8] f32: the
-    sub-block of 32 j holds w = (d sc_j) q - dmin mn_j. Elements 64 i .. 64 i + 31 are the low nibbles of bytes
-    32 i .. 32 i + 31, the next 32 their high nibbles."""
+    get_scale_min_k4 reads them; 128 bytes of nibbles) -> codes [n, 8, 32] uint8, d and dmin [n, 1] f32, sc and mn
+    [n, 8] uint8: the sub-block of 32 j holds w = (d sc_j) q - dmin mn_j. Elements 64 i .. 64 i + 31 are the low
+    nibbles of bytes 32 i .. 32 i + 31, the next 32 their high nibbles."""
     d, dmin = _f16(b[:, :2])[:, None], _f16(b[:, 2:4])[:, None]
     s = b[:, 4:16].reshape(-1, 3, 4)
     sc = torch.cat([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], dim=-1)
     mn = torch.cat([s[:, 1] & 0x3F, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 0x30)], dim=-1)
     qs = b[:, 16:].reshape(-1, 4, 1, 32)
-    return torch.cat([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32), d * sc.float(), dmin * mn.float()
+    return torch.cat([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32), d, dmin, sc, mn
 
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     """Q4_K super-blocks [n, 144] -> [n, 256] f32, (d sc) q - dmin mn as gguf-py computes them."""
-    q, scale, dm = _q4_k_parts(b)
-    return (scale[..., None] * q.float() - dm[..., None]).reshape(-1, 256)
+    q, d, dmin, sc, mn = _q4_k_parts(b)
+    return ((d * sc.float())[..., None] * q.float() - (dmin * mn.float())[..., None]).reshape(-1, 256)
 
 
 # formats dequantized in PyTorch, by bytes per block (vectorized and threaded: 1.7-2.9x gguf-py's NumPy on 2 cores,
@@ -493,9 +493,10 @@ def dequantize_f32(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Ten
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy()).reshape(shape)
 
 
-def int4_codes(blocks: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_codes(blocks: np.ndarray, qtype) -> tuple[torch.Tensor, ...]:
     """A Q4_0 / Q4_1 / Q4_K tensor's own codes and per-32 scales, without dequantizing: blocks [N, bytes per row]
-    -> (q [N, K] uint8 in 0..15, scale [N, K/32], zero [N, K/32] f32) with w = (q - 8) scale + zero.
+    -> (q [N, K] uint8 in 0..15, scale [N, K/32], zero [N, K/32] f32) with w = (q - 8) scale + zero; Q4_K adds its
+    own scales, (d, dmin [N, K/256] f32, sc, mn [N, K/32] uint8), which the kernel takes as they are (quant.py).
 
     Q4_0: w = d (q - 8); Q4_1: w = d q + m; Q4_K: super-blocks of 256 with 8 sub-blocks of 32, w = d sc q - dmin mn
     (6-bit sc, mn packed in 12 bytes as llama.cpp's get_scale_min_k4 reads them). Nibble order: Q4_0 / Q4_1 keep
@@ -509,8 +510,10 @@ def int4_codes(blocks: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor, t
         zero = torch.zeros_like(d) if name == "Q4_0" else _f16(b[..., 2:4]) + 8 * d
         return torch.cat([qs & 15, qs >> 4], dim=-1).reshape(N, -1), d, zero
     if name == "Q4_K":
-        q, scale, dm = _q4_k_parts(_bytes(blocks, 144))  # every super-block of every row
-        return q.reshape(N, -1), scale.reshape(N, -1), (8 * scale - dm).reshape(N, -1)
+        q, d, dmin, sc, mn = _q4_k_parts(_bytes(blocks, 144))  # every super-block of every row
+        scale, dm = (d * sc.float()).reshape(N, -1), (dmin * mn.float()).reshape(N, -1)
+        return (q.reshape(N, -1), scale, 8 * scale - dm, d.reshape(N, -1), dmin.reshape(N, -1), sc.reshape(N, -1),
+                mn.reshape(N, -1))
     raise ValueError(name)
 
 
