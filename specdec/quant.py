@@ -10,6 +10,8 @@ a slow path (see MACHINE-FACTS.md), so those layers cast their input to bf16 and
 - int8: symmetric, one scale per output row (absmax / 127).
 - int4: asymmetric, one (scale, zero) per group of 32 input columns, like GGUF's Q4_1: w = (q - 8) * scale + zero;
   a GGUF Q4_K tensor keeps its own two-level scales instead (format kernels.Q4K: exact, 4.625 bits a weight, not 5).
+- Q6_K: a GGUF Q6_K tensor as it is (format kernels.Q6K: 6.5625 bits a weight, not int8's 8), where the kernel has
+  AVX-512 VNNI.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from . import kernels
 
 if TYPE_CHECKING:
-    from .weights import Rows
+    from .weights import Q6Codes, Rows
 
 INT4_GROUP = 32
 CHUNK = 4096  # rows an int4 requantization takes at a time (int8: ROWS8)
@@ -257,6 +259,34 @@ class Int4Linear(_Native):
         return [t for t in (*parts, self.bias) if t is not None]
 
 
+class Int6Linear(_Native):
+    """GGUF Q6_K kept as it is: 6-bit codes, an int8 scale per 16 inputs and an f16 factor per 256 (w = d sc
+    (q - 32)), in matmul.c's Q6K layout (kernels.pack_q6k). Only made where the kernel runs it (supported())."""
+
+    bits = 6  # (the kernel's format code is kernels.Q6K; set on the instance)
+    native = True
+
+    def __init__(self, codes: Q6Codes, b: torch.Tensor | None):
+        q, sc, d = codes
+        self.bits = kernels.Q6K
+        self.weight, self.scales = kernels.pack_q6k(q, sc, d)
+        self.bias = b.to(torch.bfloat16) if b is not None else None  # [N]
+        self.out_features = q.shape[0]
+
+    @staticmethod
+    def supported(codes: Q6Codes) -> bool:
+        """Whether matmul.c takes this tensor as Q6K: AVX-512 VNNI (the AVX2 path has no Q6K: such tensors become
+        int8 there), whole blocks of 16 rows, on the CPU."""
+        q = codes[0]
+        return kernels.matmul_isa() == "AVX-512 VNNI" and kernels.matmul_supports(*q.shape, q.device)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return kernels.unpack_q6k(self.weight, self.scales, ids // kernels.LANES, ids % kernels.LANES)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.scales, self.bias) if t is not None]
+
+
 def make_linear(w: torch.Tensor | Callable[[], torch.Tensor | Rows], b: torch.Tensor | None, dtype: torch.dtype,
                 quant: str, source_bits: float = 32.0, codes: tuple | None = None, lookup: bool = False) -> Linear:
     """The linear layer for weight `w` [N, K] (or a function that makes it) under a quantization choice.
@@ -265,8 +295,15 @@ def make_linear(w: torch.Tensor | Callable[[], torch.Tensor | Rows], b: torch.Te
     int4 for tensors stored with at most 5 bits per weight (Q4_0, Q4_1, Q4_K, Q2_K, Q3_K), int8 for the rest (Q5_*,
     Q6_K, Q8_0, floats). A 5-bit format requantized to 4 bits loses too much: Gemma-3-270M Q4_K_M, whose layers are
     mostly Q5_0, fell to 84% top-1 agreement with its f32 model that way (docs/results/quant-quality-gemma.json).
-    codes: the file's own int4 codes (LazyWeights.codes), used as they are when the layer becomes int4 in our
-    kernel's layout; lookup: the layer is (also) an embedding table, rows() will be asked."""
+    codes: the file's own codes (LazyWeights.codes), used as they are when the layer becomes int4 in our kernel's
+    layout, or under "auto" Int6Linear for Q6_K codes (Q6Codes) where the kernel takes them; lookup: the layer is
+    (also) an embedding table, rows() will be asked."""
+    from .weights import Q6Codes
+
+    if isinstance(codes, Q6Codes):
+        if quant == "auto" and Int6Linear.supported(codes):
+            return Int6Linear(codes, b)
+        codes = None  # requantized (int8 under "auto")
     if quant == "auto":
         quant = "int4" if source_bits <= 5.01 else "int8"
     if quant == "int4" and codes is not None and codes[0].device.type == "cpu" and has_int4_kernel():
@@ -288,7 +325,7 @@ def linear_state(lin: Linear) -> tuple[dict[str, torch.Tensor], dict]:
 
 def linear_from_state(cls_name: str, tensors: dict[str, torch.Tensor], attrs: dict) -> Linear:
     """The layer linear_state() described, around the given tensors (no copy, no conversion)."""
-    cls = {c.__name__: c for c in (Linear, Int8Linear, Int4Linear)}[cls_name]
+    cls = {c.__name__: c for c in (Linear, Int8Linear, Int4Linear, Int6Linear)}[cls_name]
     lin = cls.__new__(cls)
     vars(lin).update(attrs)
     vars(lin).update(tensors)

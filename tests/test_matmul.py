@@ -246,6 +246,48 @@ def test_q4k_without_its_scales_rounds_them():
     torch.testing.assert_close(rounded.rows(ids), w, atol=2e-2 * w.abs().max().item(), rtol=1e-2)
 
 
+@pytest.mark.skipif(kernels.matmul_isa() != "AVX-512 VNNI", reason="Q6K is the AVX-512 path's (AVX2: int8)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_q6k_codes_are_used_as_they_are(dtype):
+    """A GGUF Q6_K tensor kept as it is (format Q6K: 6-bit codes, int8 scale per 16, f16 d per 256: 6.5625 bits a
+    weight, not int8's 8): the kernel computes sum over halves d sc (dot - 32 sum(qx)) (against float64, to f32
+    rounding), rows() gives gguf-py's weights bit for bit, rows are batch-invariant, and the loader's path
+    (make_linear under "auto") takes it; under "int8" it is requantized as asked."""
+    from specdec.quant import Int6Linear, make_linear
+    from specdec.weights.gguf import q6_codes
+
+    n, k = 80, 512
+    g = np.random.default_rng(7)
+    data = g.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    data[..., 208:210] = (np.abs(g.standard_normal((n, k // 256, 1))) * 0.001).astype(np.float16).view(np.uint8)
+    data = data.reshape(n, -1)
+    w = torch.from_numpy(gguf.dequantize(data, gguf.GGMLQuantizationType.Q6_K).astype(np.float32)).reshape(n, k)
+    codes = q6_codes(data)
+    lin = make_linear(lambda: w, None, torch.bfloat16, "auto", 6.5625, codes)
+    assert isinstance(lin, Int6Linear) and lin.bits == kernels.Q6K
+    assert isinstance(make_linear(lambda: w, None, torch.bfloat16, "int8", 6.5625, codes), Int8Linear)
+    assert sum(t.numel() * t.element_size() for t in lin.tensors()) == n * k * 105 // 128  # 6.5625 bits a weight
+    ids = torch.tensor([0, 15, 16, 79, 33])
+    assert torch.equal(lin.rows(ids), w[ids])
+    x = (torch.randn(13, k, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
+    y = lin(x)
+    qx, d = quantized_rows(x)
+    dot = torch.einsum("tgj,ngj->tng", qx, w.double().reshape(n, k // 32, 32))  # exact weights in f64
+    ref = (d[:, None, :, 0] * dot).sum(-1)
+    rounding = 2e-3 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.double(), ref, atol=rounding * ref.abs().max().item(), rtol=rounding)
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            for T in range(1, 14):
+                assert torch.equal(lin(x[:T]), y[:T]) and torch.equal(lin(x[T - 1:T]), y[T - 1:T])
+    finally:
+        torch.set_num_threads(threads)
+    r = torch.randn(13, n, generator=torch.Generator().manual_seed(4)).to(dtype)
+    torch.testing.assert_close(lin.apply(x, residual=r).float(), (r + y).float(), atol=0.05, rtol=0.01)
+
+
 def _codes_only(n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
     from specdec.weights.gguf import int4_codes
 

@@ -1,11 +1,12 @@
-"""Interleaved A/B of a GGUF file's int4 layers with Q4_K's own scales (format Q4K, layout version 4) and with
-bf16 scale and zero per group (the layout before it, version 3): both models in one process, forwards alternated
-call by call so the host's drift hits both alike. Medians of `--repeats` forwards of a chain of T new tokens after
-CTX cached (T = 1: a decode step):
+"""Interleaved A/B of a GGUF file's layouts: its Q4_K tensors with bf16 scale and zero per group and its Q6_K ones as
+int8 (layout version 3, "v3"), Q4_K with its own scales (format Q4K, version 4, "q4k"), and Q6_K kept as it is too
+(format Q6K, version 5, "q4k+q6k", the current one): the models in one process, forwards alternated call by call so
+the host's drift hits all alike. Medians of `--repeats` forwards of a chain of T new tokens after CTX cached
+(T = 1: a decode step):
 
-    python docs/results/layout_ab.py GGUF CTX [--chains 1,4,8] [--repeats 30]
+    python docs/results/layout_ab.py GGUF CTX [--chains 1,4,8] [--repeats 30] [--variants v3,q4k,q4k+q6k]
 
-The version-3 model comes from its cache entry when one exists (an older checkout's), else it is converted here.
+The older layouts come from their cache entries when they exist (an older checkout's), else they are converted here.
 """
 
 from __future__ import annotations
@@ -20,13 +21,22 @@ from specdec import weights
 from specdec.loader import load
 from specdec.weights import layout
 
+VERSIONS = {"v3": 3, "q4k": 4, "q4k+q6k": layout.LAYOUT_VERSION}
 
-def load_bf16_scales(path: str, ctx: int):
-    """The model as version 3 laid it out: Q4_K codes with bf16 scale and zero (LazyWeights.codes without Q4_K's
-    own scales), in version 3's cache entry."""
+
+def load_as(variant: str, path: str, ctx: int):
+    """The model as layout `variant` laid it out (LazyWeights.codes without Q4_K's own scales for v3, without Q6_K's
+    codes for v3 and q4k), in that version's cache entry."""
     codes, version = weights.LazyWeights.codes, layout.LAYOUT_VERSION
-    weights.LazyWeights.codes = lambda self, *names: (lambda c: c[:3] if c else c)(codes(self, *names))
-    layout.LAYOUT_VERSION = 3
+
+    def older(self, *names):
+        c = codes(self, *names)
+        if c is None or isinstance(c, weights.Q6Codes):
+            return None
+        return c[:3] if variant == "v3" else c
+
+    if variant != "q4k+q6k":
+        weights.LazyWeights.codes, layout.LAYOUT_VERSION = older, VERSIONS[variant]
     try:
         return load(path, ctx=ctx).model
     finally:
@@ -39,12 +49,13 @@ def main() -> None:
     ap.add_argument("ctx", type=int)
     ap.add_argument("--chains", default="1,4,8", help="chain lengths T")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--variants", default="v3,q4k,q4k+q6k")
     a = ap.parse_args()
-    models = {"bf16-scales": load_bf16_scales(a.gguf, a.ctx + 64), "q4k": load(a.gguf, ctx=a.ctx + 64).model}
+    models = {v: load_as(v, a.gguf, a.ctx + 64) for v in a.variants.split(",")}
     for name, m in models.items():
         lins = [lin for layer in m.layers for lin in layer.linears()] + [m.output]
         nbytes = sum(t.numel() * t.element_size() for lin in lins for t in lin.tensors())
-        print(f"{name}: {nbytes / 1e9:.3f} GB in linear layers", flush=True)
+        print(f"{name}: {nbytes / 1e9:.3f} GB in linear layers ({m.weight_format})", flush=True)
     torch.manual_seed(0)
     tokens = torch.randint(0, 1000, (1, a.ctx + 16))
     caches = {}
@@ -61,7 +72,7 @@ def main() -> None:
                     times[name].append(time.perf_counter() - t)
                     caches[name].rollback(a.ctx)
             med = {k: statistics.median(v) for k, v in times.items()}
-            base = med["bf16-scales"]
+            base = next(iter(med.values()))
             print(f"ctx {a.ctx} T {T}: " + "  ".join(f"{k} {v * 1e3:.1f} ms ({base / v:.3f}x)" for k, v in med.items()),
                   flush=True)
 

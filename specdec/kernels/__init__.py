@@ -289,6 +289,7 @@ def forward_lib() -> ctypes.CDLL | None:
 
 LANES, GROUP = 16, 32  # output rows per block, inputs per quantization group (matmul.c)
 Q4K, KGROUPS = 20, 8  # matmul.c's format code for int4 codes with Q4_K's scales; groups per Q4_K super-block
+Q6K = 22  # matmul.c's format code for Q6_K's codes and scales (AVX-512 VNNI only)
 
 
 def matmul_supports(n: int, k: int, device: torch.device) -> bool:
@@ -340,6 +341,41 @@ def unpack_q4k(meta: torch.Tensor, blk: torch.Tensor, lane: torch.Tensor) -> tup
     c = meta[..., 64:].reshape(nb, S, 2, KGROUPS, LANES)[blk, :, :, :, lane].float()  # [..., S, 2, 8]
     both = f[..., None] * c
     return both[..., 0, :].flatten(-2), both[..., 1, :].flatten(-2)
+
+
+def pack_q6k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """matmul.c's Q6_K layout (format Q6K) from a Q6_K tensor's own codes q [N, K] (0..63), scales sc [N, K/16]
+    (int8) and d [N, K/256] (f16 values) -> (codes [N/16, K/32, 384] uint8: the low nibbles as pack_codes4, then the
+    high bit pairs, byte j of vector v holding instruction 4v + k's at bits 2k, 2k + 1; scales [N/16, K/256, 288]
+    uint8: per block of 16 rows and super-block, f16 d [16], then sc [8 groups, 2 halves, 16] int8)."""
+    N, K = q.shape
+    nb, G, S = N // LANES, K // GROUP, d.shape[1]
+    codes = torch.empty(nb, G, 384, dtype=torch.uint8)
+    for a in range(0, N, PACK_ROWS):
+        rows = q[a:a + PACK_ROWS].to(torch.uint8)
+        b = rows.shape[0] // LANES
+        hi = (rows >> 4).reshape(b, LANES, G, 2, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(b, G, 2, 4, 64)
+        pairs = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
+        codes[a // LANES:a // LANES + b] = torch.cat([pack_codes4(rows & 15).reshape(b, G, 256),
+                                                      pairs.reshape(b, G, 128)], dim=-1)
+    f = d.to(torch.float16).reshape(nb, LANES, S).transpose(1, 2).contiguous().view(torch.uint8)  # [nb, S, 32]
+    c = sc.to(torch.int8).reshape(nb, LANES, S, 2 * KGROUPS).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    return codes, torch.cat([f, c.reshape(nb, S, 2 * KGROUPS * LANES)], dim=-1).contiguous()
+
+
+def unpack_q6k(codes: torch.Tensor, scales: torch.Tensor, blk: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """Rows (block blk, lane) of pack_q6k's layout -> their weights d sc (q - 32) [..., K] f32."""
+    nb, G = codes.shape[:2]
+    c = codes[..., :256].reshape(nb, G, 4, LANES, 4)[blk, :, :, lane]  # [..., G, 4, 4]
+    lo = torch.stack([c & 15, c >> 4], dim=-2).reshape(*blk.shape, G, GROUP)
+    h = codes[..., 256:].reshape(nb, G, 2, LANES, 4)[blk, :, :, lane]  # [..., G, 2, 4]
+    hi = torch.stack([(h >> (2 * k)) & 3 for k in range(4)], dim=-2).reshape(*blk.shape, G, GROUP)
+    S = scales.shape[1]
+    dd = scales[..., :32].contiguous().view(torch.float16).reshape(nb, S, LANES)[blk, :, lane].float()  # [..., S]
+    sc = scales[..., 32:].contiguous().view(torch.int8).reshape(nb, S, 2 * KGROUPS, LANES)[blk, :, :, lane].float()
+    s = (dd[..., None] * sc).reshape(*blk.shape, G, 2, 1)  # d sc per half of each group
+    q = (lo | (hi << 4)).float().reshape(*blk.shape, G, 2, 16) - 32.0
+    return (s * q).reshape(*blk.shape, G * GROUP)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,17 @@
    hold f16 d [16] and -dmin [16] (one per row), then the scale codes sc [8][16] and minimum codes mn [8][16], a byte
    each; group g's scale is d sc and its minimum factor (m above) -dmin mn, both exact products.
 
+   Q6_K (bits = Q6K; the AVX-512 path only): GGUF Q6_K as it is, 6.5625 bits a weight instead of int8's 8: 6-bit
+   codes q (0..63) with w = d sc (q - 32), an int8 scale sc per 16 inputs and an f16 d per 256 and row. Per block and
+   group WGROUP6 bytes: the codes' low nibbles as int4's (256), then their high bit pairs in two 64-byte vectors,
+   vector v's byte j holding in bits 2k, 2k + 1 those of byte j of instruction 4v + k. Instructions 0-3 cover the
+   group's first 16 inputs and 4-7 its last 16, so each half's dot product is a chain of its own:
+
+     y[t, n] = sum_g d[t, g] sum_h (d sc_h) (dot_h - 32 sum_h(qx))                                            (Q6K)
+
+   with 32 sum_h(qx) per row and half from the activations' quantization. Scales per block and super-block of 8
+   groups (KSUPER6 bytes): f16 d [16], then sc [8 groups][2 halves][16] int8.
+
    Batch invariance: every output (t, n) is computed by the same instructions in the same order (groups in order,
    exact integer sums inside a group) whatever T is, however rows are blocked, and whichever thread takes its block
    of 16 outputs; so row t of a verification forward over T tokens is bitwise the decode step of that token alone.
@@ -73,6 +84,9 @@
 #define Q4K 20      /* bits: int4 codes with Q4_K's scales (see the header) */
 #define KSUPER 320  /* bytes of Q4_K scales per block of 16 rows and super-block of 8 groups */
 #define KGROUPS 8   /* groups a super-block */
+#define Q6K 22       /* bits: Q6_K's codes and scales (see the header) */
+#define KSUPER6 288  /* bytes of Q6_K scales per block of 16 rows and super-block */
+#define WGROUP6 384  /* bytes of Q6_K codes per block of 16 rows and group */
 #define WIDEN 2 /* specdec_matmul's bf16 = 2: bf16 inputs, outputs rounded to bf16 and stored widened to f32 */
 /* activation rows per pass over a block's weights (register blocking). AVX-512: one accumulator a row in the pass
    (int4's minimum term fused into it only up to YM_FUSED_MAX rows, else in a pass of its own), up to 9 rows, and
@@ -141,16 +155,17 @@
 
 /* T activation rows quantized to int8 (quantize_rows): codes q [T, K]; per row and group of 32 inputs the scale
    d [T, G] (max|x| / 127), the codes' sum [T, G] and ds = d sum [T, G]; per row c [T] = sum over groups of 128 ds (the
-   int8 weights' offset, see the header). */
+   int8 weights' offset, see the header); per row, group and half of 16 inputs h32 [T, G, 2] = 32 x the half's sum
+   (Q6_K's offset). */
 typedef struct {
     int8_t *q;
     float *d, *ds, *c;
-    int32_t *sum;
+    int32_t *sum, *h32;
 } qrows;
 
 /* rows r0, r0 + 1, ... of x (G groups of K inputs a row) */
 static inline qrows qrows_at(const qrows *x, long r0, int G, int K) {
-    return (qrows){x->q + r0 * K, x->d + r0 * G, x->ds + r0 * G, x->c + r0, x->sum + r0 * G};
+    return (qrows){x->q + r0 * K, x->d + r0 * G, x->ds + r0 * G, x->c + r0, x->sum + r0 * G, x->h32 + r0 * G * 2};
 }
 
 /* Which path this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 none (the kernel is not used). */
@@ -248,7 +263,8 @@ static void quantize_rows(const void *x, int bf16, int t0, int t1, int K, const 
             _mm_storeu_si128((__m128i *)(qx + (long)t * K + k + LANES), _mm512_cvtsepi32_epi8(q1));
             float dg = amax / 127.0f;
             d[(long)t * G + g] = dg;
-            int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            int32_t h0 = _mm512_reduce_add_epi32(q0), h1 = _mm512_reduce_add_epi32(q1), sum = h0 + h1;
+            o->h32[((long)t * G + g) * 2] = 32 * h0, o->h32[((long)t * G + g) * 2 + 1] = 32 * h1;
             o->sum[(long)t * G + g] = sum;
             ds[(long)t * G + g] = dg * (float)sum;
             c[t] += 128.0f * ds[(long)t * G + g];
@@ -361,6 +377,59 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
     for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, _mm512_add_ps(y[r], ym[r]));
 }
 
+/* One block of 16 output rows of a Q6_K weight (bits Q6K, see the header) for rows [t0, t0 + nt), nt <= ROWS4: per
+   group its 8 code vectors (low nibbles | high pairs << 4), each half's dot product less 32 times the half's code
+   sum (exact integers), scaled by d sc of the half and by the row's d. Inlined with nt a constant, as block_int4_n. */
+static inline __attribute__((always_inline)) void block_int6_n(const uint8_t *w, const uint16_t *s, int G,
+                                                               const int8_t *qx, const float *d, const int32_t *h32,
+                                                               int K, int t0, const int nt, float *acc_out) {
+    __m512 y[ROWS4];
+    for (int r = 0; r < ROWS4; r++) y[r] = _mm512_setzero_ps();
+    const __m512i lo = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *wg = w + (long)g * WGROUP6;
+#if PREFETCH
+        for (int j = 0; j < 6; j++) PREFETCH_ROWS(nt, (const char *)(wg + PREFETCH * 3 / 2 + 64 * j));
+        PREFETCH_ROWS(nt, (const char *)s + (long)g * (KSUPER6 / KGROUPS) + PREFETCH * KSUPER6 / (KGROUPS * 256));
+#endif
+        __m512i u[8];
+        for (int j = 0; j < 4; j++) {
+            __m512i p = _mm512_loadu_si512((const void *)(wg + 64 * j));
+            u[2 * j] = _mm512_and_si512(p, lo);
+            u[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
+        }
+        for (int v = 0; v < 2; v++) { /* instruction 4v + k's high pair at bits 2k, 2k + 1, moved to bits 4, 5 and
+                                         or-ed in (u | (h & pair): one VPTERNLOGD, 0xF8) */
+            __m512i h = _mm512_loadu_si512((const void *)(wg + 256 + 64 * v));
+            u[4 * v] = _mm512_ternarylogic_epi32(u[4 * v], _mm512_slli_epi16(h, 4), pair, 0xF8);
+            u[4 * v + 1] = _mm512_ternarylogic_epi32(u[4 * v + 1], _mm512_slli_epi16(h, 2), pair, 0xF8);
+            u[4 * v + 2] = _mm512_ternarylogic_epi32(u[4 * v + 2], h, pair, 0xF8);
+            u[4 * v + 3] = _mm512_ternarylogic_epi32(u[4 * v + 3], _mm512_srli_epi16(h, 2), pair, 0xF8);
+        }
+        const uint8_t *sb = (const uint8_t *)s + (long)(g / KGROUPS) * KSUPER6;
+        __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+        const uint8_t *sc = sb + 32 + 2 * LANES * (g % KGROUPS);
+        __m512 s0 = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
+        __m512 s1 = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(
+                                          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + LANES)))));
+        for (int r = 0; r < nt; r++) {
+            const int8_t *q = qx + (long)(t0 + r) * K + (long)g * GROUP;
+            const int32_t *o = h32 + ((long)(t0 + r) * G + g) * 2; /* each chain starts at -32 sum_h(qx) */
+            __m512i a0 = _mm512_set1_epi32(-o[0]), a1 = _mm512_set1_epi32(-o[1]);
+            for (int i = 0; i < 4; i++) {
+                int32_t b0, b1;
+                memcpy(&b0, q + 4 * i, 4);
+                memcpy(&b1, q + 16 + 4 * i, 4);
+                a0 = _mm512_dpbusd_epi32(a0, u[i], _mm512_set1_epi32(b0));
+                a1 = _mm512_dpbusd_epi32(a1, u[4 + i], _mm512_set1_epi32(b1));
+            }
+            __m512 t = _mm512_fmadd_ps(s1, _mm512_cvtepi32_ps(a1), _mm512_mul_ps(s0, _mm512_cvtepi32_ps(a0)));
+            y[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[(long)(t0 + r) * G + g]), t, y[r]);
+        }
+    }
+    for (int r = 0; r < nt; r++) _mm512_storeu_ps(acc_out + r * LANES, y[r]);
+}
+
 static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w, const uint16_t *s, int G,
                                                                const int8_t *qx, const float *d, const float *c,
                                                                const int32_t *sum, int K, int t0, const int nt,
@@ -469,8 +538,9 @@ static void quantize_rows(const void *x, int bf16, int t0, int t1, int K, const 
             _mm256_storeu_si256((__m256i *)(qx + (long)t * K + k), _mm256_permutevar8x32_epi32(p, order));
             float dg = amax / 127.0f;
             d[(long)t * G + g] = dg;
-            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            int32_t total = reduce_add8i(sum);
+            int32_t h0 = reduce_add8i(_mm256_add_epi32(q[0], q[1])), h1 = reduce_add8i(_mm256_add_epi32(q[2], q[3]));
+            o->h32[((long)t * G + g) * 2] = 32 * h0, o->h32[((long)t * G + g) * 2 + 1] = 32 * h1;
+            int32_t total = h0 + h1;
             o->sum[(long)t * G + g] = total;
             ds[(long)t * G + g] = dg * (float)total;
             c[t] += 128.0f * ds[(long)t * G + g];
@@ -672,6 +742,15 @@ static void block_int8(const uint8_t *w, const uint16_t *s, int G, const int8_t 
 #undef CALL8
 }
 
+#if HAVE_VNNI
+static void block_int6(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
+                       const int32_t *h32, int K, int t0, int nt, float *acc_out) {
+#define CALL6(n) block_int6_n(w, s, G, qx, d, h32, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
+    ROW_CASES(CALL6)
+#undef CALL6
+}
+#endif
+
 #endif
 
 #if HAVE_AMX
@@ -855,15 +934,16 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
                       const qrows *x, int K, int T, float *acc) {
     const int8_t *qx = x->q;
     const float *d = x->d, *ds = x->ds, *c = x->c;
-    int kq = bits == Q4K, int4 = bits == 4 || kq;
-    long wblock = (long)G * (int4 ? 256 : 512); /* bytes of codes per block of 16 rows */
-    /* int4 scales per block of 16 rows, in uint16 units: bf16 [G, 16], or Q4_K's KSUPER bytes a super-block */
-    long sblock = kq ? (long)G / KGROUPS * (KSUPER / 2) : (long)G * LANES;
+    int kq = bits == Q4K, int4 = bits == 4 || kq, int6 = bits == Q6K;
+    long wblock = (long)G * (int4 ? 256 : int6 ? WGROUP6 : 512); /* bytes of codes per block of 16 rows */
+    /* int4 / Q6_K scales per block of 16 rows, in uint16 units: bf16 [G, 16], Q4_K's KSUPER bytes a super-block,
+       Q6_K's KSUPER6 */
+    long sblock = kq ? (long)G / KGROUPS * (KSUPER / 2) : int6 ? (long)G / KGROUPS * (KSUPER6 / 2) : (long)G * LANES;
 #if HAVE_AMX
     int t_amx = 0; /* rows done on tiles of 16, then one of AMX_MIN_ROWS..15 rows; the rest below on VNNI (fewer rows
                       gain nothing from tiles: a 3072 x 576 int4 product at T = 2 took 41 us on tiles, 23 us on VNNI;
                       at 16 rows 83 against 108; docs/results/amx-matmul.txt) */
-    if (amx_on)
+    if (amx_on && !int6) /* (Q6_K's codes take the VNNI path at any row count) */
         while (T - t_amx >= AMX_MIN_ROWS || T - t_amx >= AMX_ROWS) {
             int nt = T - t_amx < AMX_ROWS ? T - t_amx : AMX_ROWS;
             if (int4)
@@ -878,9 +958,16 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
 #endif
     /* the rows left in passes of nearly equal size (16 rows at 5 a pass: 4, 4, 4, 4 rather than 5, 5, 5, 1: a pass
        over one row reads the block's weights for one row's work); a row's output does not depend on its pass */
-    int rows = int4 ? ROWS4 : ROWS8, left = T - t_amx, passes = (left + rows - 1) / rows;
+    int rows = int4 || int6 ? ROWS4 : ROWS8, left = T - t_amx, passes = (left + rows - 1) / rows;
     for (int p = 0, t0 = t_amx; p < passes; p++) {
         int nt = left / passes + (p < left % passes);
+#if HAVE_VNNI
+        if (int6) {
+            block_int6(w + b * wblock, s + b * sblock, G, qx, d, x->h32, K, t0, nt, acc + t0 * LANES);
+            t0 += nt;
+            continue;
+        }
+#endif
         if (int4)
             block_int4(w + b * wblock, s + b * sblock, z ? z + b * G * LANES : NULL, kq, G, qx, d, ds, K, t0, nt,
                        acc + t0 * LANES);
@@ -891,17 +978,19 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
 }
 
 /* Whether bits names a weight format the kernel takes for K inputs (Q4_K's scales come in super-blocks of 256) */
-static int format_ok(int bits, int K) { return bits == 4 || bits == 8 || (bits == Q4K && K % (KGROUPS * GROUP) == 0); }
+static int format_ok(int bits, int K) {
+    return bits == 4 || bits == 8 || ((bits == Q4K || (bits == Q6K && HAVE_VNNI)) && K % (KGROUPS * GROUP) == 0);
+}
 
-static void qrows_free(qrows *o) { free(o->q), free(o->d), free(o->ds), free(o->c), free(o->sum); }
+static void qrows_free(qrows *o) { free(o->q), free(o->d), free(o->ds), free(o->c), free(o->sum), free(o->h32); }
 
 /* Buffers for T rows of K inputs (c zeroed, for its sums; qrows_free frees them); -1 when memory runs out (nothing left
    allocated). */
 static int qrows_alloc(qrows *o, int T, int K) {
     size_t n = (size_t)T * (K / GROUP);
     *o = (qrows){malloc((size_t)T * K), malloc(n * sizeof(float)), malloc(n * sizeof(float)),
-                 calloc((size_t)T, sizeof(float)), malloc(n * sizeof(int32_t))};
-    if (o->q && o->d && o->ds && o->c && o->sum)
+                 calloc((size_t)T, sizeof(float)), malloc(n * sizeof(int32_t)), malloc(2 * n * sizeof(int32_t))};
+    if (o->q && o->d && o->ds && o->c && o->sum && o->h32)
         return 0;
     qrows_free(o);
     *o = (qrows){0};
@@ -919,11 +1008,11 @@ static int quantized_input(const void *x, int bf16, int T, int K, const float *n
 
 #endif
 
-/* y = x [T, K] W^T, W [N, K]. bits: 4, 8 or Q4K. w: packed codes (see the header), s / z: bf16 scales / zeros laid
-   out [N/16, K/32, 16] (int4; z NULL: every zero is 0, symmetric weights), s [N] (int8, z unused), or s Q4_K's
-   scales [N/16, K/256, KSUPER bytes] (Q4K, z unused). x, y and residual
-   are bf16 when bf16 is 1, f32 when 0; bf16 = WIDEN: x and residual bf16, y f32 holding the bf16-rounded values (what
-   widening a bf16 result gives, written in one pass: an output head's logits).
+/* y = x [T, K] W^T, W [N, K]. bits: 4, 8, Q4K or Q6K. w: packed codes (see the header), s / z: bf16 scales / zeros
+   laid out [N/16, K/32, 16] (int4; z NULL: every zero is 0, symmetric weights), s [N] (int8, z unused), or s Q4_K's
+   scales [N/16, K/256, KSUPER bytes] (Q4K, z unused) or Q6_K's [N/16, K/256, KSUPER6 bytes] (Q6K, z unused). x, y
+   and residual are bf16 when bf16 is 1, f32 when 0; bf16 = WIDEN: x and residual bf16, y f32 holding the
+   bf16-rounded values (what widening a bf16 result gives, written in one pass: an output head's logits).
    norm: f32 [K] RMSNorm weight applied to x's rows first (eps inside the root), or NULL. swiglu: y [T, N/2] =
    silu(x Wg^T) * (x Wu^T) with Wg, Wu the first and second N/2 rows. residual: y = residual + x W^T, or NULL.
    Returns 0, -1 when out of memory, -2 when the shapes are not multiples of 16 rows / 32 inputs (32 rows with
@@ -1086,6 +1175,7 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
         memcpy(srt.d + (long)i * G1, in.d + (long)r * G1, sizeof(float) * G1);
         memcpy(srt.ds + (long)i * G1, in.ds + (long)r * G1, sizeof(float) * G1);
         memcpy(srt.sum + (long)i * G1, in.sum + (long)r * G1, sizeof(int32_t) * G1);
+        memcpy(srt.h32 + (long)i * G1 * 2, in.h32 + (long)r * G1 * 2, sizeof(int32_t) * G1 * 2);
         srt.c[i] = in.c[r];
     }
     qrows_free(&in);

@@ -423,10 +423,12 @@ class Transformer:
         """The linear layers' formats in memory, e.g. "int4 x120, int8 x1" (quant "auto" mixes them)."""
         import collections
 
-        names = {"Int4Linear": "int4", "Int8Linear": "int8", "Linear": str(self.dtype).removeprefix("torch.")}
+        names = {"Int4Linear": "int4", "Int8Linear": "int8", "Int6Linear": "q6_k",
+                 "Linear": str(self.dtype).removeprefix("torch.")}
         lins = [lin for layer in self.layers for lin in layer.linears()] + [self.output]
         lins += [lin for layer in self.layers if layer.moe for pair in layer.moe.experts for lin in pair]
-        counts = collections.Counter(names[type(lin).__name__] for lin in lins)
+        counts = collections.Counter("q4_k" if getattr(lin, "bits", 0) == kernels.Q4K else names[type(lin).__name__]
+                                     for lin in lins)
         return ", ".join(f"{k} x{v}" for k, v in counts.most_common())
 
     @property

@@ -17,6 +17,11 @@ import torch
 from ..config import ModelArgs, ModelError
 
 
+class Q6Codes(tuple):
+    """A GGUF Q6_K tensor's own codes and scales, (q [N, K] uint8 in 0..63, sc [N, K/16] int8, d [N, K/256] f32)
+    with w = d sc (q - 32): what quant.Int6Linear keeps (weights.gguf.q6_codes)."""
+
+
 class LazyWeights(Mapping[str, torch.Tensor]):
     """Tensors produced on access (dequantized / converted one at a time, so peak memory stays low).
 
@@ -34,9 +39,9 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         self._rows = rows or {}
         self.source_bytes = source_bytes  # bytes each tensor occupies in the file (for bandwidth accounting)
         self._numel = numel
-        # int4 codes taken from the file without dequantizing (GGUF Q4_0 / Q4_1 / Q4_K): name -> () -> (q, scale,
+        # codes taken from the file without dequantizing: int4 (GGUF Q4_0 / Q4_1 / Q4_K): name -> () -> (q, scale,
         # zero) with q [N, K] in 0..15 and scale, zero [N, K / 32] (w = (q - 8) scale + zero), then Q4_K's own
-        # scales (gguf.int4_codes)
+        # scales (gguf.int4_codes); Q6_K: name -> () -> Q6Codes
         self._codes = codes or {}
         self.recorder = None
         self.linears: dict[str, dict] = {}  # what was recorded: key -> {"class", "attrs"}
@@ -57,14 +62,17 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return out
 
     def codes(self, *names: str) -> tuple[torch.Tensor, ...] | None:
-        """The int4 codes of `names` stacked by rows (as torch.cat of the matrices would be), when every one of them
-        is stored in a 4-bit format with groups of 32 (else None: dequantize and requantize); with Q4_K's own scales
-        when every one is Q4_K."""
+        """The codes of `names` stacked by rows (as torch.cat of the matrices would be), when every one of them
+        is stored in a 4-bit format with groups of 32 (int4 codes; with Q4_K's own scales when every one is Q4_K) or
+        every one in Q6_K (Q6Codes); else None (dequantize and requantize)."""
         if not names or not all(n in self._codes for n in names):
             return None
         parts = [self._codes[n]() for n in names]
+        kind = type(parts[0])
+        if any(type(p) is not kind for p in parts):
+            return None
         n = min(len(p) for p in parts)
-        return tuple(torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(n))
+        return kind(torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(n))
 
     def rows(self, name: str) -> Rows | torch.Tensor:
         """A matrix to be requantized by rows (quant.Int8Linear / Int4Linear): read a range of rows at a time where

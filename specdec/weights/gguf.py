@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError, yarn_mscale
-from . import LazyWeights, LoadedModel, Rows, rope_layout, unpermute_rotary
+from . import LazyWeights, LoadedModel, Q6Codes, Rows, rope_layout, unpermute_rotary
 
 GGUF_MAGIC = b"GGUF"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -315,10 +315,11 @@ def read_gguf(path: Path) -> LoadedModel:
     def code_loader(t, name: str, expert: int | None = None):
         def load() -> tuple[torch.Tensor, ...]:
             data = t.data if expert is None else t.data[expert]
-            parts = int4_codes(np.asarray(data), GGMLQuantizationType(t.tensor_type))
+            qtype = GGMLQuantizationType(t.tensor_type)
+            parts = q6_codes(np.asarray(data)) if qtype.name == "Q6_K" else int4_codes(np.asarray(data), qtype)
             if expert is None or expert == t.shape[-1] - 1:
                 release(t)
-            return tuple(rope_layout(args, name, permuted(x, name)) for x in parts)
+            return type(parts)(rope_layout(args, name, permuted(x, name)) for x in parts)
 
         return load
 
@@ -328,13 +329,13 @@ def read_gguf(path: Path) -> LoadedModel:
             continue  # folded into args.rope_scaling
         name = canonical(name)
         shape = tuple(int(s) for s in reversed(t.shape))
-        int4 = GGMLQuantizationType(t.tensor_type).name in INT4_CODES
+        coded = GGMLQuantizationType(t.tensor_type).name in (*INT4_CODES, "Q6_K")  # codes taken as they are
         stacked = _STACKED.get(name.rsplit(".", 1)[-1]) if len(shape) == 3 else None
         if stacked:  # blk.N.ffn_up_exps [E, N, K] -> blk.N.exp.{e}.ffn_up [N, K], each loaded on its own
             for e in range(shape[0]):
                 one = f"{name.rsplit('.', 1)[0]}.exp.{e}.{stacked}"
                 shapes[one], loaders[one] = shape[1:], loader(t, one, e)
-                if int4:
+                if coded:
                     codes[one] = code_loader(t, one, e)
                 nbytes[one], numel[one] = int(t.n_bytes) // shape[0], int(t.n_elements) // shape[0]
             continue
@@ -342,7 +343,7 @@ def read_gguf(path: Path) -> LoadedModel:
         loaders[name] = loader(t, name)
         if name in ("token_embd", "output") and len(shape) == 2:  # never permuted (rope_layout leaves them)
             rows[name] = row_loader(t, shape)
-        if int4 and len(t.shape) == 2:
+        if coded and len(t.shape) == 2:
             codes[name] = code_loader(t, name)
         nbytes[name] = int(t.n_bytes)
         numel[name] = int(t.n_elements)
@@ -450,6 +451,20 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     hi = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 8, 32)
     q = (lo | (hi << 4)).view(torch.int8) - 32
     return (scale * q.reshape(n, 16, 16).float()).reshape(n, 256)
+
+
+def q6_codes(blocks: np.ndarray) -> Q6Codes:
+    """A Q6_K tensor's own codes and scales, without dequantizing: blocks [N, bytes per row] -> (q [N, K] uint8 in
+    0..63, sc [N, K/16] int8, d [N, K/256] f32) with w = d sc (q - 32), as _q6_k reads them."""
+    N = blocks.shape[0]
+    b = _bytes(blocks, 210)
+    n = b.shape[0]
+    ql = b[:, :128].reshape(n, 2, 1, 64)
+    lo = torch.cat([ql & 15, ql >> 4], dim=2).reshape(n, 8, 32)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)
+    hi = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 8, 32)
+    sc = b[:, 192:208].contiguous().view(torch.int8)
+    return Q6Codes(((lo | (hi << 4)).reshape(N, -1), sc.reshape(N, -1), _f16(b[:, 208:210]).reshape(N, -1)))
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
