@@ -287,6 +287,40 @@ class Int6Linear(_Native):
         return [t for t in (self.weight, self.scales, self.bias) if t is not None]
 
 
+class StackedLinear(_Native):
+    """Layers in different formats stacked by rows as one (format kernels.STACK: one kernel call, each block of rows
+    computed as its part alone computes it): a fused q|k|v whose v a Q4_K_M file stores in Q6_K and q, k in Q4_K
+    keeps q and k at 4.625 bits a weight instead of making the whole layer int8 (weights.LazyWeights.code_runs)."""
+
+    bits = kernels.STACK
+    native = True
+    bias = None
+
+    def __init__(self, parts: list[_Native]):
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.weight = self.scales = kernels.stack_table(parts)  # (the kernel reads the table; codes are the parts')
+
+    @staticmethod
+    def stackable(parts: list[Linear]) -> bool:
+        return all(isinstance(p, _Native) and p.native and p.bias is None and p.out_features % kernels.LANES == 0
+                   for p in parts)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        out, start = None, 0
+        for p in self.parts:
+            inside = (ids >= start) & (ids < start + p.out_features)
+            if bool(inside.any()):
+                r = p.rows(ids[inside] - start)
+                out = ids.new_zeros(*ids.shape, r.shape[-1], dtype=r.dtype) if out is None else out
+                out[inside] = r
+            start += p.out_features
+        return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for p in self.parts for t in p.tensors()]
+
+
 def make_linear(w: torch.Tensor | Callable[[], torch.Tensor | Rows], b: torch.Tensor | None, dtype: torch.dtype,
                 quant: str, source_bits: float = 32.0, codes: tuple | None = None, lookup: bool = False) -> Linear:
     """The linear layer for weight `w` [N, K] (or a function that makes it) under a quantization choice.
@@ -317,7 +351,15 @@ def make_linear(w: torch.Tensor | Callable[[], torch.Tensor | Rows], b: torch.Te
 
 
 def linear_state(lin: Linear) -> tuple[dict[str, torch.Tensor], dict]:
-    """A layer as (tensors, plain attributes), for the layout cache (weights/layout.py)."""
+    """A layer as (tensors, plain attributes), for the layout cache (weights/layout.py); a StackedLinear's parts'
+    tensors are named "{part}.{name}" (its table is made again when it is loaded)."""
+    if isinstance(lin, StackedLinear):
+        tensors, parts = {}, []
+        for i, p in enumerate(lin.parts):
+            t, a = linear_state(p)
+            tensors.update({f"{i}.{k}": v for k, v in t.items()})
+            parts.append([type(p).__name__, a])
+        return tensors, {"parts": parts}
     items = vars(lin).items()
     return ({k: v for k, v in items if isinstance(v, torch.Tensor)},
             {k: v for k, v in items if not isinstance(v, torch.Tensor)})
@@ -325,6 +367,10 @@ def linear_state(lin: Linear) -> tuple[dict[str, torch.Tensor], dict]:
 
 def linear_from_state(cls_name: str, tensors: dict[str, torch.Tensor], attrs: dict) -> Linear:
     """The layer linear_state() described, around the given tensors (no copy, no conversion)."""
+    if cls_name == "StackedLinear":
+        return StackedLinear([linear_from_state(c, {k.split(".", 1)[1]: v for k, v in tensors.items()
+                                                    if k.split(".", 1)[0] == str(i)}, a)
+                              for i, (c, a) in enumerate(attrs["parts"])])
     cls = {c.__name__: c for c in (Linear, Int8Linear, Int4Linear, Int6Linear)}[cls_name]
     lin = cls.__new__(cls)
     vars(lin).update(attrs)

@@ -66,16 +66,19 @@ def test_cached_load_is_bitwise_the_conversion(cache, tmp_path, qtype):
 
 def test_k_quants_are_kept_as_they_are(cache, tmp_path):
     """Under quant "auto" a Q4_K tensor keeps its own scales (q4_k) and, where the kernel has AVX-512 VNNI, a Q6_K
-    one its codes (q6_k) instead of int8; a layer stacking both (blk.1's q|k|v) becomes int8. The model stays the
-    file's: its logits track the float32 dequantization (quant "none") as closely as the activations' int8
-    quantization allows, and the cached entry gives them bit for bit."""
+    one its codes (q6_k) instead of int8; a fused layer of both (blk.1's q|k|v: q, k Q4_K, v Q6_K) stacks the two
+    formats (StackedLinear) instead of becoming int8 whole. The model stays the file's: its logits track the float32
+    dequantization (quant "none") as closely as the activations' int8 quantization allows, and the cached entry
+    gives them bit for bit."""
     from specdec import kernels
 
     path = write_gguf("llama", tmp_path / "m.gguf", qtype="Q4_K", seed=4, tied=False, tensor_qtypes=MIX)
     auto, ref = load(path, ctx=64, cache=False), load(path, ctx=64, quant="none", dtype="f32", cache=False)
     fmt = auto.model.weight_format
     assert "q4_k" in fmt and ("q6_k" in fmt) == (kernels.matmul_isa() == "AVX-512 VNNI"), fmt
-    assert type(auto.model.layers[1].wqkv).__name__ == "Int8Linear"
+    qkv = auto.model.layers[1].wqkv
+    assert type(qkv).__name__ == "StackedLinear" and [p.bits for p in qkv.parts] == [
+        kernels.Q4K, kernels.Q6K if kernels.matmul_isa() == "AVX-512 VNNI" else 8]
     a, r = logits(auto)[0].float(), logits(ref)[0]
     assert (a - r).abs().max() <= 0.05 * r.abs().max(), (a - r).abs().max()
     assert torch.equal(logits(load(path, ctx=64)), logits(auto))  # the first load, converted and cached

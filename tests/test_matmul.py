@@ -288,6 +288,37 @@ def test_q6k_codes_are_used_as_they_are(dtype):
     torch.testing.assert_close(lin.apply(x, residual=r).float(), (r + y).float(), atol=0.05, rtol=0.01)
 
 
+def test_stacked_parts_compute_as_each_alone():
+    """A StackedLinear (format STACK: a Q4_K part over a Q6_K or int8 part, as a Q4_K_M file's q|k over its v) gives
+    bitwise the concatenation of its parts' own outputs, for every row count, and through the fused residual add;
+    a table whose parts do not add up to the layer's rows is refused (ValueError), not read past."""
+    from specdec.quant import StackedLinear, make_linear
+    from specdec.weights.gguf import q6_codes
+
+    n, k = 64, 512
+    top, _ = q4k_linear(n, k, seed=11)
+    g = np.random.default_rng(12)
+    data = g.integers(0, 256, (32, k // 256, 210), dtype=np.uint8)
+    data[..., 208:210] = (np.abs(g.standard_normal((32, k // 256, 1))) * 0.001).astype(np.float16).view(np.uint8)
+    data = data.reshape(32, -1)
+    w6 = torch.from_numpy(gguf.dequantize(data, gguf.GGMLQuantizationType.Q6_K).astype(np.float32)).reshape(32, k)
+    bottom = make_linear(lambda: w6, None, torch.bfloat16, "auto", 6.5625, q6_codes(data))  # Q6K, or int8 on AVX2
+    stacked = StackedLinear([top, bottom])
+    assert stacked.out_features == 96 and stacked.tensors() == top.tensors() + bottom.tensors()
+    x = (torch.randn(10, k, generator=torch.Generator().manual_seed(13)) * 2).bfloat16()
+    y = stacked(x)
+    assert torch.equal(y, torch.cat([top(x), bottom(x)], dim=-1))
+    for T in range(1, 11):
+        assert torch.equal(stacked(x[T - 1:T]), y[T - 1:T])
+    r = torch.randn(10, 96).bfloat16()
+    assert torch.equal(stacked.apply(x, residual=r), kernels.matmul(x, kernels.STACK, stacked.weight, stacked.scales,
+                                                                    None, 96, residual=r))
+    ids = torch.tensor([0, 63, 64, 95])
+    assert torch.equal(stacked.rows(ids), torch.cat([top.rows(ids[:2]), bottom.rows(ids[2:] - 64)]))
+    with pytest.raises(ValueError):
+        kernels.matmul(x, kernels.STACK, stacked.weight, stacked.scales, None, 112)
+
+
 def _codes_only(n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
     from specdec.weights.gguf import int4_codes
 

@@ -290,6 +290,7 @@ def forward_lib() -> ctypes.CDLL | None:
 LANES, GROUP = 16, 32  # output rows per block, inputs per quantization group (matmul.c)
 Q4K, KGROUPS = 20, 8  # matmul.c's format code for int4 codes with Q4_K's scales; groups per Q4_K super-block
 Q6K = 22  # matmul.c's format code for Q6_K's codes and scales (AVX-512 VNNI only)
+STACK = 30  # matmul.c's format code for a weight whose blocks of rows are parts in different formats
 
 
 def matmul_supports(n: int, k: int, device: torch.device) -> bool:
@@ -376,6 +377,14 @@ def unpack_q6k(codes: torch.Tensor, scales: torch.Tensor, blk: torch.Tensor, lan
     s = (dd[..., None] * sc).reshape(*blk.shape, G, 2, 1)  # d sc per half of each group
     q = (lo | (hi << 4)).float().reshape(*blk.shape, G, 2, 16) - 32.0
     return (s * q).reshape(*blk.shape, G * GROUP)
+
+
+def stack_table(parts: list) -> torch.Tensor:
+    """matmul.c's STACK table of quantized linear layers in the kernel's layout (quant._Native), their rows stacked:
+    int64 {n, then per part: blocks of 16 rows, bits, codes, scales, zeros (0: none)}. The parts must outlive it."""
+    rows = [[p.out_features // LANES, p.bits, p.weight.data_ptr(), p.scales.data_ptr(),
+             p.zeros.data_ptr() if getattr(p, "zeros", None) is not None else 0] for p in parts]
+    return torch.tensor([len(parts)] + [v for r in rows for v in r], dtype=torch.int64)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,10 @@
    with 32 sum_h(qx) per row and half from the activations' quantization. Scales per block and super-block of 8
    groups (KSUPER6 bytes): f16 d [16], then sc [8 groups][2 halves][16] int8.
 
+   Stacked (bits = STACK): a weight whose blocks of rows are stored in different formats, e.g. a fused q|k|v of a
+   Q4_K_M file whose q and k are Q4_K and v Q6_K; s is an int64 table {n, then per part: its blocks of 16 rows, bits,
+   codes, scales, zeros (0: none)}, and each block is computed as its part alone would compute it.
+
    Batch invariance: every output (t, n) is computed by the same instructions in the same order (groups in order,
    exact integer sums inside a group) whatever T is, however rows are blocked, and whichever thread takes its block
    of 16 outputs; so row t of a verification forward over T tokens is bitwise the decode step of that token alone.
@@ -87,6 +91,7 @@
 #define Q6K 22       /* bits: Q6_K's codes and scales (see the header) */
 #define KSUPER6 288  /* bytes of Q6_K scales per block of 16 rows and super-block */
 #define WGROUP6 384  /* bytes of Q6_K codes per block of 16 rows and group */
+#define STACK 30     /* bits: parts in different formats (see the header) */
 #define WIDEN 2 /* specdec_matmul's bf16 = 2: bf16 inputs, outputs rounded to bf16 and stored widened to f32 */
 /* activation rows per pass over a block's weights (register blocking). AVX-512: one accumulator a row in the pass
    (int4's minimum term fused into it only up to YM_FUSED_MAX rows, else in a pass of its own), up to 9 rows, and
@@ -932,6 +937,12 @@ static void block_int8_amx(const uint8_t *w, const uint16_t *s, int G, const int
 /* One block of 16 weight rows, all T rows of x: acc [T, 16]. */
 static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, int bits, int G, long b,
                       const qrows *x, int K, int T, float *acc) {
+    if (bits == STACK) { /* the part holding block b, and b within it */
+        const int64_t *p = (const int64_t *)(const void *)s + 1;
+        while (b >= p[0]) b -= p[0], p += 5;
+        bits = (int)p[1], w = (const uint8_t *)(intptr_t)p[2], s = (const uint16_t *)(intptr_t)p[3];
+        z = (const uint16_t *)(intptr_t)p[4];
+    }
     const int8_t *qx = x->q;
     const float *d = x->d, *ds = x->ds, *c = x->c;
     int kq = bits == Q4K, int4 = bits == 4 || kq, int6 = bits == Q6K;
@@ -982,6 +993,18 @@ static int format_ok(int bits, int K) {
     return bits == 4 || bits == 8 || ((bits == Q4K || (bits == Q6K && HAVE_VNNI)) && K % (KGROUPS * GROUP) == 0);
 }
 
+/* Whether s is a STACK table of parts in formats the kernel takes for K inputs, their blocks adding up to N rows */
+static int stack_ok(const void *s, int K, int N) {
+    const int64_t *t = (const int64_t *)s;
+    long blocks = 0;
+    for (int64_t i = 0; i < t[0]; i++) {
+        const int64_t *p = t + 1 + 5 * i;
+        if (p[0] < 1 || !format_ok((int)p[1], K)) return 0;
+        blocks += p[0];
+    }
+    return t[0] > 0 && blocks * LANES == N;
+}
+
 static void qrows_free(qrows *o) { free(o->q), free(o->d), free(o->ds), free(o->c), free(o->sum), free(o->h32); }
 
 /* Buffers for T rows of K inputs (c zeroed, for its sums; qrows_free frees them); -1 when memory runs out (nothing left
@@ -1021,7 +1044,8 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
                    const uint16_t *z, void *y, int bf16, const float *norm, float eps, int swiglu,
                    const void *residual) {
 #if HAVE_KERNEL
-    if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || !format_ok(bits, K) || T < 1) return -2;
+    if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || T < 1) return -2;
+    if (bits == STACK ? !stack_ok(s, K, N) : !format_ok(bits, K)) return -2;
     int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N;
     qrows in;
     if (qrows_alloc(&in, T, K)) return -1;

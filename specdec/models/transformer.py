@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..cache import KVCache, KVPool, LayerCache
 from ..config import ModelArgs, ModelError
-from ..quant import make_linear
+from ..quant import StackedLinear, make_linear
 from ..spec.tree import paths as tree_paths
 from ..spec.tree import tree_mask
 
@@ -184,6 +184,12 @@ class Block:
                 w = lambda: torch.cat([src[n].to(device) for n in full])  # noqa: E731
                 b = torch.cat([src[prefix + n].to(device) for n in bias]) if bias else None
                 codes = src.codes(*full) if quant in ("auto", "int4") and device.type == "cpu" else None
+                runs = src.code_runs(*full) if codes is None and quant == "auto" and device.type == "cpu" else None
+                if runs and b is None:  # parts stored in different formats (Q4_K q, k and Q6_K v): each its own
+                    parts = [make_linear(lambda r=r: torch.cat([src[n] for n in r]), None, dtype, quant,
+                                         src.bits(*r), src.codes(*r)) for r in runs]
+                    if StackedLinear.stackable(parts):
+                        return StackedLinear(parts)
                 return make_linear(w, b, dtype, quant, src.bits(*full), codes)
 
             return src.linear(prefix + key, make)
@@ -427,6 +433,7 @@ class Transformer:
                  "Linear": str(self.dtype).removeprefix("torch.")}
         lins = [lin for layer in self.layers for lin in layer.linears()] + [self.output]
         lins += [lin for layer in self.layers if layer.moe for pair in layer.moe.experts for lin in pair]
+        lins = [p for lin in lins for p in getattr(lin, "parts", [lin])]  # a StackedLinear's parts
         counts = collections.Counter("q4_k" if getattr(lin, "bits", 0) == kernels.Q4K else names[type(lin).__name__]
                                      for lin in lins)
         return ", ".join(f"{k} x{v}" for k, v in counts.most_common())

@@ -74,6 +74,20 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         n = min(len(p) for p in parts)
         return kind(torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(n))
 
+    def code_runs(self, *names: str) -> list[tuple[str, ...]] | None:
+        """`names` in runs of consecutive names stored alike (bits per weight), when every one has codes and they
+        are not all alike: e.g. q, k in Q4_K and v in Q6_K -> [(q, k), (v,)], each run a layer of its own format
+        stacked into one (quant.StackedLinear); else None."""
+        if len(names) < 2 or not all(n in self._codes for n in names):
+            return None
+        runs: list[list[str]] = []
+        for n in names:
+            if runs and abs(self.bits(n) - self.bits(runs[-1][-1])) < 1e-6:
+                runs[-1].append(n)
+            else:
+                runs.append([n])
+        return [tuple(r) for r in runs] if len(runs) > 1 else None
+
     def rows(self, name: str) -> Rows | torch.Tensor:
         """A matrix to be requantized by rows (quant.Int8Linear / Int4Linear): read a range of rows at a time where
         the reader can (Rows), else the whole tensor."""
@@ -102,7 +116,9 @@ class LazyWeights(Mapping[str, torch.Tensor]):
                 self.recorder.add(f"lin.{key}.{name}", t)
             self.linears[key] = {"class": type(lin).__name__, "attrs": attrs}
             for name in tensors:  # the scaffold keeps no weights: the loader maps the entry instead
-                setattr(lin, name, _hollow(getattr(lin, name)))
+                part, _, attr = name.rpartition(".")  # a StackedLinear's part's tensor: "{part}.{name}"
+                owner = lin.parts[int(part)] if part else lin
+                setattr(owner, attr, _hollow(getattr(owner, attr)))
         return lin
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -168,6 +184,9 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         return self.tensors[name]
 
     def codes(self, *names: str):
+        return None
+
+    def code_runs(self, *names: str):
         return None
 
     def raw(self, name: str) -> torch.Tensor:
