@@ -10,8 +10,8 @@ a slow path (see MACHINE-FACTS.md), so those layers cast their input to bf16 and
 - int8: symmetric, one scale per output row (absmax / 127).
 - int4: asymmetric, one (scale, zero) per group of 32 input columns, like GGUF's Q4_1: w = (q - 8) * scale + zero;
   a GGUF Q4_K tensor keeps its own two-level scales instead (format kernels.Q4K: exact, 4.625 bits a weight, not 5).
-- Q6_K: a GGUF Q6_K tensor as it is (format kernels.Q6K: 6.5625 bits a weight, not int8's 8), where the kernel has
-  AVX-512 VNNI.
+- Q6_K / Q5_K: a GGUF Q6_K or Q5_K tensor as it is (formats kernels.Q6K / Q5K: 6.5625 / 5.625 bits a weight, not
+  int8's 8), where the kernel has AVX-512 VNNI.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from . import kernels
 
 if TYPE_CHECKING:
-    from .weights import Q6Codes, Rows
+    from .weights import Q5Codes, Q6Codes, Rows
 
 INT4_GROUP = 32
 CHUNK = 4096  # rows an int4 requantization takes at a time (int8: ROWS8)
@@ -261,27 +261,34 @@ class Int4Linear(_Native):
 
 class Int6Linear(_Native):
     """GGUF Q6_K kept as it is: 6-bit codes, an int8 scale per 16 inputs and an f16 factor per 256 (w = d sc
-    (q - 32)), in matmul.c's Q6K layout (kernels.pack_q6k). Only made where the kernel runs it (supported())."""
+    (q - 32)), in matmul.c's Q6K layout (kernels.pack_q6k); or Q5_K (Q5Codes): 5-bit codes with Q4_K's scales
+    (w = d sc q - dmin mn), in its Q5K layout (kernels.pack_q5k). Only made where the kernel runs it (supported())."""
 
-    bits = 6  # (the kernel's format code is kernels.Q6K; set on the instance)
+    bits = 6  # (the kernel's format code is kernels.Q6K or Q5K; set on the instance)
     native = True
 
-    def __init__(self, codes: Q6Codes, b: torch.Tensor | None):
-        q, sc, d = codes
-        self.bits = kernels.Q6K
-        self.weight, self.scales = kernels.pack_q6k(q, sc, d)
+    def __init__(self, codes: Q6Codes | Q5Codes, b: torch.Tensor | None):
+        from .weights import Q5Codes
+
+        if isinstance(codes, Q5Codes):
+            self.bits = kernels.Q5K
+            self.weight, self.scales = kernels.pack_q5k(*codes)
+        else:
+            self.bits = kernels.Q6K
+            self.weight, self.scales = kernels.pack_q6k(*codes)
         self.bias = b.to(torch.bfloat16) if b is not None else None  # [N]
-        self.out_features = q.shape[0]
+        self.out_features = codes[0].shape[0]
 
     @staticmethod
-    def supported(codes: Q6Codes) -> bool:
+    def supported(codes: Q6Codes | Q5Codes) -> bool:
         """Whether matmul.c takes this tensor as Q6K: AVX-512 VNNI (the AVX2 path has no Q6K: such tensors become
         int8 there), whole blocks of 16 rows, on the CPU."""
         q = codes[0]
         return kernels.matmul_isa() == "AVX-512 VNNI" and kernels.matmul_supports(*q.shape, q.device)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return kernels.unpack_q6k(self.weight, self.scales, ids // kernels.LANES, ids % kernels.LANES)
+        unpack = kernels.unpack_q5k if self.bits == kernels.Q5K else kernels.unpack_q6k
+        return unpack(self.weight, self.scales, ids // kernels.LANES, ids % kernels.LANES)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.scales, self.bias) if t is not None]
@@ -330,11 +337,11 @@ def make_linear(w: torch.Tensor | Callable[[], torch.Tensor | Rows], b: torch.Te
     Q6_K, Q8_0, floats). A 5-bit format requantized to 4 bits loses too much: Gemma-3-270M Q4_K_M, whose layers are
     mostly Q5_0, fell to 84% top-1 agreement with its f32 model that way (docs/results/quant-quality-gemma.json).
     codes: the file's own codes (LazyWeights.codes), used as they are when the layer becomes int4 in our kernel's
-    layout, or under "auto" Int6Linear for Q6_K codes (Q6Codes) where the kernel takes them; lookup: the layer is
-    (also) an embedding table, rows() will be asked."""
-    from .weights import Q6Codes
+    layout, or under "auto" Int6Linear for Q6_K / Q5_K codes (Q6Codes, Q5Codes) where the kernel takes them; lookup:
+    the layer is (also) an embedding table, rows() will be asked."""
+    from .weights import Q5Codes, Q6Codes
 
-    if isinstance(codes, Q6Codes):
+    if isinstance(codes, Q6Codes | Q5Codes):
         if quant == "auto" and Int6Linear.supported(codes):
             return Int6Linear(codes, b)
         codes = None  # requantized (int8 under "auto")

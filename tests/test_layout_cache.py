@@ -19,7 +19,8 @@ from specdec.loader import load
 from specdec.weights import layout
 
 SESSION = Path(os.environ["SPECDEC_CACHE"])  # the test session's cache (conftest.py), with the compiled kernels
-MIX = {"blk.0.*": "Q4_K", "blk.1.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K", "token_embd.weight": "Q8_0"}
+MIX = {"blk.0.*": "Q4_K", "blk.1.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K",
+       "blk.1.ffn_gate.weight": "Q5_K", "token_embd.weight": "Q8_0"}
 
 
 @pytest.fixture()
@@ -75,10 +76,13 @@ def test_k_quants_are_kept_as_they_are(cache, tmp_path):
     path = write_gguf("llama", tmp_path / "m.gguf", qtype="Q4_K", seed=4, tied=False, tensor_qtypes=MIX)
     auto, ref = load(path, ctx=64, cache=False), load(path, ctx=64, quant="none", dtype="f32", cache=False)
     fmt = auto.model.weight_format
-    assert "q4_k" in fmt and ("q6_k" in fmt) == (kernels.matmul_isa() == "AVX-512 VNNI"), fmt
-    qkv = auto.model.layers[1].wqkv
+    vnni = kernels.matmul_isa() == "AVX-512 VNNI"
+    assert "q4_k" in fmt and ("q6_k" in fmt) == vnni and ("q5_k" in fmt) == vnni, fmt
+    qkv, w13 = auto.model.layers[1].wqkv, auto.model.layers[1].w13  # q, k Q4_K over v Q6_K; gate Q5_K over up Q4_K
     assert type(qkv).__name__ == "StackedLinear" and [p.bits for p in qkv.parts] == [
-        kernels.Q4K, kernels.Q6K if kernels.matmul_isa() == "AVX-512 VNNI" else 8]
+        kernels.Q4K, kernels.Q6K if vnni else 8]
+    assert type(w13).__name__ == "StackedLinear" and [p.bits for p in w13.parts] == [
+        kernels.Q5K if vnni else 8, kernels.Q4K]
     a, r = logits(auto)[0].float(), logits(ref)[0]
     assert (a - r).abs().max() <= 0.05 * r.abs().max(), (a - r).abs().max()
     assert torch.equal(logits(load(path, ctx=64)), logits(auto))  # the first load, converted and cached

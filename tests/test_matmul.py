@@ -246,27 +246,33 @@ def test_q4k_without_its_scales_rounds_them():
     torch.testing.assert_close(rounded.rows(ids), w, atol=2e-2 * w.abs().max().item(), rtol=1e-2)
 
 
-@pytest.mark.skipif(kernels.matmul_isa() != "AVX-512 VNNI", reason="Q6K is the AVX-512 path's (AVX2: int8)")
+@pytest.mark.skipif(kernels.matmul_isa() != "AVX-512 VNNI", reason="Q6K / Q5K are the AVX-512 path's (AVX2: int8)")
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_q6k_codes_are_used_as_they_are(dtype):
-    """A GGUF Q6_K tensor kept as it is (format Q6K: 6-bit codes, int8 scale per 16, f16 d per 256: 6.5625 bits a
-    weight, not int8's 8): the kernel computes sum over halves d sc (dot - 32 sum(qx)) (against float64, to f32
-    rounding), rows() gives gguf-py's weights bit for bit, rows are batch-invariant, and the loader's path
-    (make_linear under "auto") takes it; under "int8" it is requantized as asked."""
+def test_q6k_q5k_codes_are_used_as_they_are(qtype, dtype):
+    """A GGUF Q6_K / Q5_K tensor kept as it is (format Q6K: 6-bit codes, int8 scale per 16, f16 d per 256: 6.5625
+    bits a weight; Q5K: 5-bit codes with Q4_K's scales: 5.625 bits; int8 takes 8): the kernel computes the header's
+    sums (against float64 with gguf-py's weights, to f32 rounding), rows() gives gguf-py's weights bit for bit, rows
+    are batch-invariant, and the loader's path (make_linear under "auto") takes it; under "int8" it is requantized
+    as asked."""
     from specdec.quant import Int6Linear, make_linear
-    from specdec.weights.gguf import q6_codes
+    from specdec.weights.gguf import q5_codes, q6_codes
 
     n, k = 80, 512
+    size, f16_at, own, code, bits = {"Q6_K": (210, (208,), q6_codes, kernels.Q6K, 105 / 128),
+                                     "Q5_K": (176, (0, 2), q5_codes, kernels.Q5K, 45 / 64)}[qtype]
     g = np.random.default_rng(7)
-    data = g.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-    data[..., 208:210] = (np.abs(g.standard_normal((n, k // 256, 1))) * 0.001).astype(np.float16).view(np.uint8)
+    data = g.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    for a in f16_at:
+        data[..., a:a + 2] = (np.abs(g.standard_normal((n, k // 256, 1))) * 0.001).astype(np.float16).view(np.uint8)
     data = data.reshape(n, -1)
-    w = torch.from_numpy(gguf.dequantize(data, gguf.GGMLQuantizationType.Q6_K).astype(np.float32)).reshape(n, k)
-    codes = q6_codes(data)
-    lin = make_linear(lambda: w, None, torch.bfloat16, "auto", 6.5625, codes)
-    assert isinstance(lin, Int6Linear) and lin.bits == kernels.Q6K
-    assert isinstance(make_linear(lambda: w, None, torch.bfloat16, "int8", 6.5625, codes), Int8Linear)
-    assert sum(t.numel() * t.element_size() for t in lin.tensors()) == n * k * 105 // 128  # 6.5625 bits a weight
+    qt = gguf.GGMLQuantizationType[qtype]
+    w = torch.from_numpy(gguf.dequantize(data, qt).astype(np.float32)).reshape(n, k)
+    codes = own(data)
+    lin = make_linear(lambda: w, None, torch.bfloat16, "auto", 8.0 * size / 256, codes)
+    assert isinstance(lin, Int6Linear) and lin.bits == code
+    assert isinstance(make_linear(lambda: w, None, torch.bfloat16, "int8", 8.0 * size / 256, codes), Int8Linear)
+    assert sum(t.numel() * t.element_size() for t in lin.tensors()) == n * k * bits
     ids = torch.tensor([0, 15, 16, 79, 33])
     assert torch.equal(lin.rows(ids), w[ids])
     x = (torch.randn(13, k, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)

@@ -289,7 +289,7 @@ def forward_lib() -> ctypes.CDLL | None:
 
 LANES, GROUP = 16, 32  # output rows per block, inputs per quantization group (matmul.c)
 Q4K, KGROUPS = 20, 8  # matmul.c's format code for int4 codes with Q4_K's scales; groups per Q4_K super-block
-Q6K = 22  # matmul.c's format code for Q6_K's codes and scales (AVX-512 VNNI only)
+Q6K, Q5K = 22, 21  # matmul.c's format codes for Q6_K's and Q5_K's codes and scales (AVX-512 VNNI only)
 STACK = 30  # matmul.c's format code for a weight whose blocks of rows are parts in different formats
 
 
@@ -362,6 +362,34 @@ def pack_q6k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.
     f = d.to(torch.float16).reshape(nb, LANES, S).transpose(1, 2).contiguous().view(torch.uint8)  # [nb, S, 32]
     c = sc.to(torch.int8).reshape(nb, LANES, S, 2 * KGROUPS).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
     return codes, torch.cat([f, c.reshape(nb, S, 2 * KGROUPS * LANES)], dim=-1).contiguous()
+
+
+def pack_q5k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """matmul.c's Q5_K layout (format Q5K) from a Q5_K tensor's own codes q [N, K] (0..31) and Q4_K-style scales ->
+    (codes [N/16, K/32, 320] uint8: the low nibbles as pack_codes4, then 64 bytes whose byte j holds at bit i the fifth
+    bit of byte j of instruction i; scales as pack_q4k)."""
+    N, K = q.shape
+    G = K // GROUP
+    codes = torch.empty(N // LANES, G, 320, dtype=torch.uint8)
+    for a in range(0, N, PACK_ROWS):
+        rows = q[a:a + PACK_ROWS].to(torch.uint8)
+        b = rows.shape[0] // LANES
+        hi = (rows >> 4).reshape(b, LANES, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(b, G, 8, 64)
+        plane = sum(hi[:, :, i] << i for i in range(8))
+        codes[a // LANES:a // LANES + b] = torch.cat([pack_codes4(rows & 15).reshape(b, G, 256), plane], dim=-1)
+    return codes, pack_q4k(d, dmin, sc, mn)
+
+
+def unpack_q5k(codes: torch.Tensor, scales: torch.Tensor, blk: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """Rows (block blk, lane) of pack_q5k's layout -> their weights d sc q - dmin mn [..., K] f32."""
+    nb, G = codes.shape[:2]
+    c = codes[..., :256].reshape(nb, G, 4, LANES, 4)[blk, :, :, lane]  # [..., G, 4, 4]
+    lo = torch.stack([c & 15, c >> 4], dim=-2).reshape(*blk.shape, G, GROUP)
+    h = codes[..., 256:].reshape(nb, G, LANES, 4)[blk, :, lane]  # [..., G, 4]
+    hi = torch.stack([(h >> i) & 1 for i in range(8)], dim=-2).reshape(*blk.shape, G, GROUP)
+    s, m = unpack_q4k(scales, blk, lane)
+    return ((lo | (hi << 4)).float() * s[..., None] + m[..., None]).flatten(-2)
 
 
 def unpack_q6k(codes: torch.Tensor, scales: torch.Tensor, blk: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:

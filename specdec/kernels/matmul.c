@@ -40,6 +40,10 @@
    with 32 sum_h(qx) per row and half from the activations' quantization. Scales per block and super-block of 8
    groups (KSUPER6 bytes): f16 d [16], then sc [8 groups][2 halves][16] int8.
 
+   Q5_K (bits = Q5K; the AVX-512 path only): Q4_K's layout and scales with each code's fifth bit (q in 0..31) in a
+   64-byte vector after the group's nibbles (WGROUP5 bytes a group), byte j's bit i that of byte j of instruction i:
+   GGUF Q5_K as it is, 5.625 bits a weight instead of int8's 8.
+
    Stacked (bits = STACK): a weight whose blocks of rows are stored in different formats, e.g. a fused q|k|v of a
    Q4_K_M file whose q and k are Q4_K and v Q6_K; s is an int64 table {n, then per part: its blocks of 16 rows, bits,
    codes, scales, zeros (0: none)}, and each block is computed as its part alone would compute it.
@@ -92,6 +96,8 @@
 #define KSUPER6 288  /* bytes of Q6_K scales per block of 16 rows and super-block */
 #define WGROUP6 384  /* bytes of Q6_K codes per block of 16 rows and group */
 #define STACK 30     /* bits: parts in different formats (see the header) */
+#define Q5K 21       /* bits: Q5_K's codes and scales (see the header) */
+#define WGROUP5 320  /* bytes of Q5_K codes per block of 16 rows and group */
 #define WIDEN 2 /* specdec_matmul's bf16 = 2: bf16 inputs, outputs rounded to bf16 and stored widened to f32 */
 /* activation rows per pass over a block's weights (register blocking). AVX-512: one accumulator a row in the pass
    (int4's minimum term fused into it only up to YM_FUSED_MAX rows, else in a pass of its own), up to 9 rows, and
@@ -345,18 +351,19 @@ static inline __m512i group_dot(const __m512i u[8], const int8_t *q) {
 /* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS4: the scale term over every group (one FMA
    per row and group), then the minimum term in its own pass (its own chain, as before: the same sums), so a pass
    keeps one accumulator a row in registers and takes up to ROWS4 rows. Inlined with nt a constant (ROW_CASES
-   below): with nt a variable GCC kept the accumulators on the stack. kq: s holds Q4_K scales (see the header). */
+   below): with nt a variable GCC kept the accumulators on the stack. kq: s holds Q4_K scales (see the header); 2:
+   and the codes are Q5_K's (a fifth bit). */
 static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w, const uint16_t *s, const uint16_t *z,
                                                                const int kq, int G, const int8_t *qx, const float *d,
                                                                const float *ds, int K, int t0, const int nt,
                                                                float *acc_out) {
     __m512 y[ROWS4], ym[ROWS4];
     for (int r = 0; r < ROWS4; r++) y[r] = ym[r] = _mm512_setzero_ps();
-    const __m512i lo = _mm512_set1_epi8(0x0F);
+    const __m512i lo = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
     for (int g = 0; g < G; g++) {
-        const uint8_t *wg = w + (long)g * 256;
+        const uint8_t *wg = w + (long)g * (kq == 2 ? WGROUP5 : 256);
 #if PREFETCH
-        for (int j = 0; j < 4; j++) PREFETCH_ROWS(nt, (const char *)(wg + PREFETCH + 64 * j));
+        for (int j = 0; j < (kq == 2 ? 5 : 4); j++) PREFETCH_ROWS(nt, (const char *)(wg + PREFETCH + 64 * j));
         PREFETCH_ROWS(nt, kq ? (const char *)s + (long)g * (KSUPER / KGROUPS) + PREFETCH * KSUPER / (KGROUPS * 256)
                              : (const char *)(s + (long)g * LANES + PREFETCH / 8));
         if (z) PREFETCH_ROWS(nt, (const char *)(z + (long)g * LANES + PREFETCH / 8));
@@ -366,6 +373,17 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
             __m512i p = _mm512_loadu_si512((const void *)(wg + 64 * j));
             u[2 * j] = _mm512_and_si512(p, lo);
             u[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
+        }
+        if (kq == 2) { /* Q5_K: instruction i's fifth bits at bit i, moved to bit 4 and or-ed in (VPTERNLOGD 0xF8) */
+            __m512i h = _mm512_loadu_si512((const void *)(wg + 256));
+            u[0] = _mm512_ternarylogic_epi32(u[0], _mm512_slli_epi16(h, 4), bit4, 0xF8);
+            u[1] = _mm512_ternarylogic_epi32(u[1], _mm512_slli_epi16(h, 3), bit4, 0xF8);
+            u[2] = _mm512_ternarylogic_epi32(u[2], _mm512_slli_epi16(h, 2), bit4, 0xF8);
+            u[3] = _mm512_ternarylogic_epi32(u[3], _mm512_slli_epi16(h, 1), bit4, 0xF8);
+            u[4] = _mm512_ternarylogic_epi32(u[4], h, bit4, 0xF8);
+            u[5] = _mm512_ternarylogic_epi32(u[5], _mm512_srli_epi16(h, 1), bit4, 0xF8);
+            u[6] = _mm512_ternarylogic_epi32(u[6], _mm512_srli_epi16(h, 2), bit4, 0xF8);
+            u[7] = _mm512_ternarylogic_epi32(u[7], _mm512_srli_epi16(h, 3), bit4, 0xF8);
         }
         __m512 sg = kq ? kq_factor(s, g, 0) : load_bf16x16(s + (long)g * LANES);
         for (int r = 0; r < nt; r++) {
@@ -732,12 +750,16 @@ static void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, i
                        const float *d, const float *ds, int K, int t0, int nt, float *acc_out) {
 #define CALL4(n) block_int4_n(w, s, z, 0, G, qx, d, ds, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
 #define CALL4K(n) block_int4_n(w, s, NULL, 1, G, qx, d, ds, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
-    if (kq)
+#define CALL5K(n) block_int4_n(w, s, NULL, 2, G, qx, d, ds, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
+    if (kq == 2)
+        ROW_CASES(CALL5K)
+    else if (kq)
         ROW_CASES(CALL4K)
     else
         ROW_CASES(CALL4)
 #undef CALL4
 #undef CALL4K
+#undef CALL5K
 }
 
 static void block_int8(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d, const float *c,
@@ -945,8 +967,9 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
     }
     const int8_t *qx = x->q;
     const float *d = x->d, *ds = x->ds, *c = x->c;
-    int kq = bits == Q4K, int4 = bits == 4 || kq, int6 = bits == Q6K;
-    long wblock = (long)G * (int4 ? 256 : int6 ? WGROUP6 : 512); /* bytes of codes per block of 16 rows */
+    int kq = bits == Q5K ? 2 : bits == Q4K, int4 = bits == 4 || kq, int6 = bits == Q6K;
+    /* bytes of codes per block of 16 rows */
+    long wblock = (long)G * (kq == 2 ? WGROUP5 : int4 ? 256 : int6 ? WGROUP6 : 512);
     /* int4 / Q6_K scales per block of 16 rows, in uint16 units: bf16 [G, 16], Q4_K's KSUPER bytes a super-block,
        Q6_K's KSUPER6 */
     long sblock = kq ? (long)G / KGROUPS * (KSUPER / 2) : int6 ? (long)G / KGROUPS * (KSUPER6 / 2) : (long)G * LANES;
@@ -954,7 +977,7 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
     int t_amx = 0; /* rows done on tiles of 16, then one of AMX_MIN_ROWS..15 rows; the rest below on VNNI (fewer rows
                       gain nothing from tiles: a 3072 x 576 int4 product at T = 2 took 41 us on tiles, 23 us on VNNI;
                       at 16 rows 83 against 108; docs/results/amx-matmul.txt) */
-    if (amx_on && !int6) /* (Q6_K's codes take the VNNI path at any row count) */
+    if (amx_on && !int6 && kq != 2) /* (Q6_K's and Q5_K's codes take the VNNI path at any row count) */
         while (T - t_amx >= AMX_MIN_ROWS || T - t_amx >= AMX_ROWS) {
             int nt = T - t_amx < AMX_ROWS ? T - t_amx : AMX_ROWS;
             if (int4)
@@ -990,7 +1013,8 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
 
 /* Whether bits names a weight format the kernel takes for K inputs (Q4_K's scales come in super-blocks of 256) */
 static int format_ok(int bits, int K) {
-    return bits == 4 || bits == 8 || ((bits == Q4K || (bits == Q6K && HAVE_VNNI)) && K % (KGROUPS * GROUP) == 0);
+    return bits == 4 || bits == 8 ||
+           ((bits == Q4K || ((bits == Q5K || bits == Q6K) && HAVE_VNNI)) && K % (KGROUPS * GROUP) == 0);
 }
 
 /* Whether s is a STACK table of parts in formats the kernel takes for K inputs, their blocks adding up to N rows */

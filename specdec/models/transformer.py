@@ -434,8 +434,8 @@ class Transformer:
         lins = [lin for layer in self.layers for lin in layer.linears()] + [self.output]
         lins += [lin for layer in self.layers if layer.moe for pair in layer.moe.experts for lin in pair]
         lins = [p for lin in lins for p in getattr(lin, "parts", [lin])]  # a StackedLinear's parts
-        counts = collections.Counter("q4_k" if getattr(lin, "bits", 0) == kernels.Q4K else names[type(lin).__name__]
-                                     for lin in lins)
+        own = {kernels.Q4K: "q4_k", kernels.Q5K: "q5_k"}  # formats named by their kernel code
+        counts = collections.Counter(own.get(getattr(lin, "bits", 0), names[type(lin).__name__]) for lin in lins)
         return ", ".join(f"{k} x{v}" for k, v in counts.most_common())
 
     @property

@@ -22,6 +22,11 @@ class Q6Codes(tuple):
     with w = d sc (q - 32): what quant.Int6Linear keeps (weights.gguf.q6_codes)."""
 
 
+class Q5Codes(tuple):
+    """A GGUF Q5_K tensor's own codes and scales, (q [N, K] uint8 in 0..31, d, dmin [N, K/256] f32, sc, mn [N, K/32]
+    uint8) with w = d sc q - dmin mn per group of 32: what quant.Int5Linear keeps (weights.gguf.q5_codes)."""
+
+
 class LazyWeights(Mapping[str, torch.Tensor]):
     """Tensors produced on access (dequantized / converted one at a time, so peak memory stays low).
 

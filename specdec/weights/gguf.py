@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError, yarn_mscale
-from . import LazyWeights, LoadedModel, Q6Codes, Rows, rope_layout, unpermute_rotary
+from . import LazyWeights, LoadedModel, Q5Codes, Q6Codes, Rows, rope_layout, unpermute_rotary
 
 GGUF_MAGIC = b"GGUF"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -316,7 +316,8 @@ def read_gguf(path: Path) -> LoadedModel:
         def load() -> tuple[torch.Tensor, ...]:
             data = t.data if expert is None else t.data[expert]
             qtype = GGMLQuantizationType(t.tensor_type)
-            parts = q6_codes(np.asarray(data)) if qtype.name == "Q6_K" else int4_codes(np.asarray(data), qtype)
+            own = {"Q6_K": q6_codes, "Q5_K": q5_codes}.get(qtype.name)
+            parts = own(np.asarray(data)) if own else int4_codes(np.asarray(data), qtype)
             if expert is None or expert == t.shape[-1] - 1:
                 release(t)
             return type(parts)(rope_layout(args, name, permuted(x, name)) for x in parts)
@@ -329,7 +330,7 @@ def read_gguf(path: Path) -> LoadedModel:
             continue  # folded into args.rope_scaling
         name = canonical(name)
         shape = tuple(int(s) for s in reversed(t.shape))
-        coded = GGMLQuantizationType(t.tensor_type).name in (*INT4_CODES, "Q6_K")  # codes taken as they are
+        coded = GGMLQuantizationType(t.tensor_type).name in (*INT4_CODES, "Q5_K", "Q6_K")  # codes as they are
         stacked = _STACKED.get(name.rsplit(".", 1)[-1]) if len(shape) == 3 else None
         if stacked:  # blk.N.ffn_up_exps [E, N, K] -> blk.N.exp.{e}.ffn_up [N, K], each loaded on its own
             for e in range(shape[0]):
@@ -451,6 +452,18 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     hi = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 8, 32)
     q = (lo | (hi << 4)).view(torch.int8) - 32
     return (scale * q.reshape(n, 16, 16).float()).reshape(n, 256)
+
+
+def q5_codes(blocks: np.ndarray) -> Q5Codes:
+    """A Q5_K tensor's own codes and scales, without dequantizing: blocks [N, bytes per row] -> Q5Codes (q [N, K]
+    uint8 in 0..31, d, dmin [N, K/256] f32, sc, mn [N, K/32] uint8). A Q5_K super-block is Q4_K's (f16 d, dmin, 12
+    bytes of scales, 128 of nibbles) with 32 bytes of fifth bits before the nibbles: sub-block i's from bit i."""
+    N = blocks.shape[0]
+    b = _bytes(blocks, 176)
+    lo, d, dmin, sc, mn = _q4_k_parts(torch.cat([b[:, :16], b[:, 48:]], dim=1))
+    qh = b[:, 16:48]
+    hi = torch.stack([(qh >> i) & 1 for i in range(8)], dim=1)  # [n, 8, 32]
+    return Q5Codes(t.reshape(N, -1) for t in ((lo | (hi << 4)), d, dmin, sc, mn))
 
 
 def q6_codes(blocks: np.ndarray) -> Q6Codes:
