@@ -148,6 +148,13 @@
 #endif
 #endif
 
+#ifndef PF_MIN_ROWS8 /* VNNI int8 passes of fewer rows prefetch nothing: one row's pass streams its 512-byte groups
+                       faster on the hardware prefetcher alone (a line-by-line software prefetch cost more than it
+                       hid): Zen 4, SmolLM2 decode step 1.07x (its int8 head), Gemma-3-270M 1.28x (int8 layers and
+                       head), T = 2 and 8 sequences unchanged (docs/results/int8-prefetch-1207.txt) */
+#define PF_MIN_ROWS8 2
+#endif
+
 #ifndef PREFETCH_L2_ROWS /* VNNI passes of up to this many rows prefetch into L2, longer ones into L1 */
 #define PREFETCH_L2_ROWS 9
 #endif
@@ -463,7 +470,8 @@ static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w,
     for (int g = 0; g < G; g++) {
         const uint8_t *wg = w + (long)g * 512;
 #if PREFETCH
-        for (int j = 0; j < 8; j++) PREFETCH_ROWS(nt, (const char *)(wg + 2 * PREFETCH + 64 * j));
+        if (nt >= PF_MIN_ROWS8)
+            for (int j = 0; j < 8; j++) PREFETCH_ROWS(nt, (const char *)(wg + 2 * PREFETCH + 64 * j));
 #endif
         __m512i u[8];
         for (int i = 0; i < 8; i++) u[i] = _mm512_loadu_si512((const void *)(wg + 64 * i));
