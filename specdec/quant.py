@@ -281,8 +281,8 @@ class Int6Linear(_Native):
 
     @staticmethod
     def supported(codes: Q6Codes | Q5Codes) -> bool:
-        """Whether matmul.c takes this tensor as Q6K: AVX-512 VNNI (the AVX2 path has no Q6K: such tensors become
-        int8 there), whole blocks of 16 rows, on the CPU."""
+        """Whether matmul.c takes this tensor as Q6K / Q5K: AVX-512 VNNI (the AVX2 path has neither: such tensors
+        become int8 there), whole blocks of 16 rows, on the CPU."""
         q = codes[0]
         return kernels.matmul_isa() == "AVX-512 VNNI" and kernels.matmul_supports(*q.shape, q.device)
 

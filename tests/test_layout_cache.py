@@ -88,6 +88,22 @@ def test_k_quants_are_kept_as_they_are(cache, tmp_path):
     assert torch.equal(logits(load(path, ctx=64)), logits(auto))  # the first load, converted and cached
 
 
+def test_entries_of_an_older_layout_version_are_pruned(cache, tmp_path, monkeypatch):
+    """A first load removes the entries of an older layout version (no load can use them again), keeps a newer
+    version's (another install's) and the current ones of other settings."""
+    path = write_gguf("llama", tmp_path / "m.gguf", qtype="Q4_0", seed=5)
+    current = layout.LAYOUT_VERSION
+    for v in (current + 1, current - 1):  # a newer install's entry, then an older one's (which keeps the newer)
+        monkeypatch.setattr(layout, "LAYOUT_VERSION", v)
+        load(path, ctx=64)
+    assert len(entries(cache)) == 2
+    monkeypatch.setattr(layout, "LAYOUT_VERSION", current)
+    load(path, ctx=64, dtype="f32")  # another setting: its own entry
+    load(path, ctx=64)
+    versions = sorted(json.loads(layout.read_metadata(e)["specdec_layout"])["version"] for e in entries(cache))
+    assert versions == [current, current, current + 1]
+
+
 def test_entry_read_into_memory_is_a_copy(cache, tmp_path):
     """read_entry(in_memory=True): the tensors are the entry's bytes, copied (rewriting the file leaves them as they
     were) into anonymous memory."""

@@ -340,6 +340,17 @@ static inline __attribute__((always_inline)) void min_term(const uint16_t *s, co
     }
 }
 
+/* A block's group of int4 codes (256 bytes at wg: instruction 2j in the low nibbles of vector j, 2j + 1 in the high
+   ones) as the 8 code vectors u of VPDPBUSD */
+static inline void nibbles(const uint8_t *wg, __m512i u[8]) {
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        __m512i p = _mm512_loadu_si512((const void *)(wg + 64 * j));
+        u[2 * j] = _mm512_and_si512(p, lo);
+        u[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
+    }
+}
+
 /* One activation row's 16 integer dot products with a group's weight codes u (8 vectors, see the header). */
 static inline __m512i group_dot(const __m512i u[8], const int8_t *q) {
     /* two independent chains of 4 (VPDPBUSD's latency is ~5 cycles), added at the end: integer sums, so the
@@ -366,7 +377,7 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
                                                                float *acc_out) {
     __m512 y[ROWS4], ym[ROWS4];
     for (int r = 0; r < ROWS4; r++) y[r] = ym[r] = _mm512_setzero_ps();
-    const __m512i lo = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
     for (int g = 0; g < G; g++) {
         const uint8_t *wg = w + (long)g * (kq == 2 ? WGROUP5 : 256);
 #if PREFETCH
@@ -376,11 +387,7 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
         if (z) PREFETCH_ROWS(nt, (const char *)(z + (long)g * LANES + PREFETCH / 8));
 #endif
         __m512i u[8];
-        for (int j = 0; j < 4; j++) {
-            __m512i p = _mm512_loadu_si512((const void *)(wg + 64 * j));
-            u[2 * j] = _mm512_and_si512(p, lo);
-            u[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
-        }
+        nibbles(wg, u);
         if (kq == 2) { /* Q5_K: instruction i's fifth bits at bit i, moved to bit 4 and or-ed in (VPTERNLOGD 0xF8) */
             __m512i h = _mm512_loadu_si512((const void *)(wg + 256));
             u[0] = _mm512_ternarylogic_epi32(u[0], _mm512_slli_epi16(h, 4), bit4, 0xF8);
@@ -415,7 +422,7 @@ static inline __attribute__((always_inline)) void block_int6_n(const uint8_t *w,
                                                                int K, int t0, const int nt, float *acc_out) {
     __m512 y[ROWS4];
     for (int r = 0; r < ROWS4; r++) y[r] = _mm512_setzero_ps();
-    const __m512i lo = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30);
+    const __m512i pair = _mm512_set1_epi8(0x30);
     for (int g = 0; g < G; g++) {
         const uint8_t *wg = w + (long)g * WGROUP6;
 #if PREFETCH
@@ -423,11 +430,7 @@ static inline __attribute__((always_inline)) void block_int6_n(const uint8_t *w,
         PREFETCH_ROWS(nt, (const char *)s + (long)g * (KSUPER6 / KGROUPS) + PREFETCH * KSUPER6 / (KGROUPS * 256));
 #endif
         __m512i u[8];
-        for (int j = 0; j < 4; j++) {
-            __m512i p = _mm512_loadu_si512((const void *)(wg + 64 * j));
-            u[2 * j] = _mm512_and_si512(p, lo);
-            u[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
-        }
+        nibbles(wg, u);
         for (int v = 0; v < 2; v++) { /* instruction 4v + k's high pair at bits 2k, 2k + 1, moved to bits 4, 5 and
                                          or-ed in (u | (h & pair): one VPTERNLOGD, 0xF8) */
             __m512i h = _mm512_loadu_si512((const void *)(wg + 256 + 64 * v));

@@ -24,7 +24,8 @@ class Q6Codes(tuple):
 
 class Q5Codes(tuple):
     """A GGUF Q5_K tensor's own codes and scales, (q [N, K] uint8 in 0..31, d, dmin [N, K/256] f32, sc, mn [N, K/32]
-    uint8) with w = d sc q - dmin mn per group of 32: what quant.Int5Linear keeps (weights.gguf.q5_codes)."""
+    uint8) with w = d sc q - dmin mn per group of 32: what quant.Int6Linear keeps as format Q5K
+    (weights.gguf.q5_codes)."""
 
 
 class LazyWeights(Mapping[str, torch.Tensor]):
@@ -46,7 +47,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         self._numel = numel
         # codes taken from the file without dequantizing: int4 (GGUF Q4_0 / Q4_1 / Q4_K): name -> () -> (q, scale,
         # zero) with q [N, K] in 0..15 and scale, zero [N, K / 32] (w = (q - 8) scale + zero), then Q4_K's own
-        # scales (gguf.int4_codes); Q6_K: name -> () -> Q6Codes
+        # scales (gguf.int4_codes); Q6_K / Q5_K: name -> () -> Q6Codes / Q5Codes
         self._codes = codes or {}
         self.recorder = None
         self.linears: dict[str, dict] = {}  # what was recorded: key -> {"class", "attrs"}
@@ -69,7 +70,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def codes(self, *names: str) -> tuple[torch.Tensor, ...] | None:
         """The codes of `names` stacked by rows (as torch.cat of the matrices would be), when every one of them
         is stored in a 4-bit format with groups of 32 (int4 codes; with Q4_K's own scales when every one is Q4_K) or
-        every one in Q6_K (Q6Codes); else None (dequantize and requantize)."""
+        every one in Q6_K (Q6Codes) or Q5_K (Q5Codes); else None (dequantize and requantize)."""
         if not names or not all(n in self._codes for n in names):
             return None
         parts = [self._codes[n]() for n in names]

@@ -286,8 +286,10 @@ def cache_enabled() -> bool:
 
 
 def prune(root: Path, keep: Path | None = None) -> int:
-    """Remove entries whose model file is gone (their headers name it), so the cache does not outgrow the models
-    people still have; returns how many were removed. Unreadable entries are removed too."""
+    """Remove entries whose model file is gone (their headers name it) and entries of an older layout version (no
+    later load can use them: an upgrade would otherwise leave a whole model's worth of layout per version), so the
+    cache does not outgrow the models people still have; returns how many were removed. Unreadable entries are
+    removed too; a newer version's entries (another install sharing the folder) are kept."""
     removed = 0
     for entry in (root / "layouts").glob("*.safetensors"):
         if keep is not None and entry == keep:
@@ -296,8 +298,8 @@ def prune(root: Path, keep: Path | None = None) -> int:
             with open(entry, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 meta = json.loads(f.read(min(n, 1 << 28)))["__metadata__"]
-            source = json.loads(meta["specdec_layout"])["identity"]["path"]
-            gone = not Path(source).exists()
+            info = json.loads(meta["specdec_layout"])
+            gone = not Path(info["identity"]["path"]).exists() or info.get("version", 0) < LAYOUT_VERSION
         except (OSError, ValueError, KeyError, TypeError, struct.error):
             gone = True
         if gone:
