@@ -236,10 +236,8 @@ class Int4Linear(_Native):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.native:  # codes [N/16, K/32, 4, 64]: instruction 2j in the low nibbles, 2j + 1 in the high ones
-            nb, G = self.weight.shape[:2]
             blk, lane = ids // kernels.LANES, ids % kernels.LANES
-            c = self.weight.view(nb, G, 4, kernels.LANES, 4)[blk, :, :, lane]  # [..., G, 4, 4]
-            q = torch.stack([c & 15, c >> 4], dim=-2).reshape(*ids.shape, G, kernels.GROUP).float()
+            q = kernels.unpack_codes4(self.weight, blk, lane).float()  # [..., G, 32]
             if self.bits == kernels.Q4K:  # w = q d sc - dmin mn
                 s, m = kernels.unpack_q4k(self.scales, blk, lane)
                 return (q * s[..., None] + m[..., None]).flatten(-2)
@@ -264,8 +262,7 @@ class Int6Linear(_Native):
     (q - 32)), in matmul.c's Q6K layout (kernels.pack_q6k); or Q5_K (Q5Codes): 5-bit codes with Q4_K's scales
     (w = d sc q - dmin mn), in its Q5K layout (kernels.pack_q5k). Only made where the kernel runs it (supported())."""
 
-    bits = 6  # (the kernel's format code is kernels.Q6K or Q5K; set on the instance)
-    native = True
+    native = True  # (bits, the kernel's format code kernels.Q6K or Q5K, is set on the instance)
 
     def __init__(self, codes: Q6Codes | Q5Codes, b: torch.Tensor | None):
         from .weights import Q5Codes

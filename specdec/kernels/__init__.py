@@ -313,11 +313,23 @@ def pack_codes4(q: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def unpack_codes4(codes: torch.Tensor, blk: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """Rows (block blk, lane) of pack_codes4's codes (the first 256 bytes of each group of `codes` [N/16, K/32, ...])
+    -> [..., K/32, 32] uint8 (0..15)."""
+    nb, G = codes.shape[:2]
+    c = codes.reshape(nb, G, -1)[..., :256].reshape(nb, G, 4, LANES, 4)[blk, :, :, lane]  # [..., G, 4, 4]
+    return torch.stack([c & 15, c >> 4], dim=-2).reshape(*blk.shape, G, GROUP)
+
+
+def lanes_last(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [N/16, ..., 16]: each block of 16 rows' values with the row (the kernel's lane) innermost."""
+    return t.reshape(-1, LANES, *t.shape[1:]).movedim(1, -1)
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """matmul.c's int4 layout from codes q [N, K] (0..15) and per-group scale, zero [N, K/32] (w = (q - 8) s + z)
     -> (codes (pack_codes4), scales and zeros [N/16, K/32, 16] bf16)."""
-    nb, G = q.shape[0] // LANES, q.shape[1] // GROUP
-    per_block = lambda t: t.reshape(nb, LANES, G).transpose(1, 2).to(torch.bfloat16).contiguous()  # noqa: E731
+    per_block = lambda t: lanes_last(t).to(torch.bfloat16).contiguous()  # noqa: E731
     return pack_codes4(q), per_block(scale), per_block(zero)
 
 
@@ -328,9 +340,9 @@ def pack_q4k(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Te
     N, S = d.shape
     nb = N // LANES
     f = torch.stack([d, -dmin], dim=-1).to(torch.float16)  # [N, S, 2], exact: the file's f16 values
-    f = f.reshape(nb, LANES, S, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(nb, S, 64)
+    f = lanes_last(f).contiguous().view(torch.uint8).reshape(nb, S, 64)
     c = torch.stack([sc.reshape(N, S, KGROUPS), mn.reshape(N, S, KGROUPS)], dim=2).to(torch.uint8)  # [N, S, 2, 8]
-    c = c.reshape(nb, LANES, S, 2 * KGROUPS).permute(0, 2, 3, 1).reshape(nb, S, 2 * KGROUPS * LANES)
+    c = lanes_last(c).reshape(nb, S, 2 * KGROUPS * LANES)
     return torch.cat([f, c], dim=-1).contiguous()
 
 
@@ -359,8 +371,8 @@ def pack_q6k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.
         pairs = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
         codes[a // LANES:a // LANES + b] = torch.cat([pack_codes4(rows & 15).reshape(b, G, 256),
                                                       pairs.reshape(b, G, 128)], dim=-1)
-    f = d.to(torch.float16).reshape(nb, LANES, S).transpose(1, 2).contiguous().view(torch.uint8)  # [nb, S, 32]
-    c = sc.to(torch.int8).reshape(nb, LANES, S, 2 * KGROUPS).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    f = lanes_last(d.to(torch.float16)).contiguous().view(torch.uint8)  # [nb, S, 32]
+    c = lanes_last(sc.to(torch.int8).reshape(N, S, 2 * KGROUPS)).contiguous().view(torch.uint8)
     return codes, torch.cat([f, c.reshape(nb, S, 2 * KGROUPS * LANES)], dim=-1).contiguous()
 
 
@@ -384,8 +396,7 @@ def pack_q5k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Ten
 def unpack_q5k(codes: torch.Tensor, scales: torch.Tensor, blk: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
     """Rows (block blk, lane) of pack_q5k's layout -> their weights d sc q - dmin mn [..., K] f32."""
     nb, G = codes.shape[:2]
-    c = codes[..., :256].reshape(nb, G, 4, LANES, 4)[blk, :, :, lane]  # [..., G, 4, 4]
-    lo = torch.stack([c & 15, c >> 4], dim=-2).reshape(*blk.shape, G, GROUP)
+    lo = unpack_codes4(codes, blk, lane)
     h = codes[..., 256:].reshape(nb, G, LANES, 4)[blk, :, lane]  # [..., G, 4]
     hi = torch.stack([(h >> i) & 1 for i in range(8)], dim=-2).reshape(*blk.shape, G, GROUP)
     s, m = unpack_q4k(scales, blk, lane)
@@ -395,8 +406,7 @@ def unpack_q5k(codes: torch.Tensor, scales: torch.Tensor, blk: torch.Tensor, lan
 def unpack_q6k(codes: torch.Tensor, scales: torch.Tensor, blk: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
     """Rows (block blk, lane) of pack_q6k's layout -> their weights d sc (q - 32) [..., K] f32."""
     nb, G = codes.shape[:2]
-    c = codes[..., :256].reshape(nb, G, 4, LANES, 4)[blk, :, :, lane]  # [..., G, 4, 4]
-    lo = torch.stack([c & 15, c >> 4], dim=-2).reshape(*blk.shape, G, GROUP)
+    lo = unpack_codes4(codes, blk, lane)
     h = codes[..., 256:].reshape(nb, G, 2, LANES, 4)[blk, :, :, lane]  # [..., G, 2, 4]
     hi = torch.stack([(h >> (2 * k)) & 3 for k in range(4)], dim=-2).reshape(*blk.shape, G, GROUP)
     S = scales.shape[1]

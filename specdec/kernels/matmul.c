@@ -1040,15 +1040,16 @@ static int stack_ok(const void *s, int K, int N) {
     return t[0] > 0 && blocks * LANES == N;
 }
 
-static void qrows_free(qrows *o) { free(o->q), free(o->d), free(o->ds), free(o->c), free(o->sum), free(o->h32); }
+static void qrows_free(qrows *o) { free(o->q), free(o->d), free(o->ds), free(o->c), free(o->sum); } /* h32: in sum's */
 
 /* Buffers for T rows of K inputs (c zeroed, for its sums; qrows_free frees them); -1 when memory runs out (nothing left
    allocated). */
 static int qrows_alloc(qrows *o, int T, int K) {
     size_t n = (size_t)T * (K / GROUP);
     *o = (qrows){malloc((size_t)T * K), malloc(n * sizeof(float)), malloc(n * sizeof(float)),
-                 calloc((size_t)T, sizeof(float)), malloc(n * sizeof(int32_t)), malloc(2 * n * sizeof(int32_t))};
-    if (o->q && o->d && o->ds && o->c && o->sum && o->h32)
+                 calloc((size_t)T, sizeof(float)), malloc(3 * n * sizeof(int32_t)), NULL};
+    o->h32 = o->sum ? o->sum + n : NULL; /* one allocation for both: a matmul call is on every layer's path */
+    if (o->q && o->d && o->ds && o->c && o->sum)
         return 0;
     qrows_free(o);
     *o = (qrows){0};

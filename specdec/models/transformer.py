@@ -429,13 +429,13 @@ class Transformer:
         """The linear layers' formats in memory, e.g. "int4 x120, int8 x1" (quant "auto" mixes them)."""
         import collections
 
-        names = {"Int4Linear": "int4", "Int8Linear": "int8", "Int6Linear": "q6_k",
-                 "Linear": str(self.dtype).removeprefix("torch.")}
+        names = {"Int4Linear": "int4", "Int8Linear": "int8", "Linear": str(self.dtype).removeprefix("torch.")}
         lins = [lin for layer in self.layers for lin in layer.linears()] + [self.output]
         lins += [lin for layer in self.layers if layer.moe for pair in layer.moe.experts for lin in pair]
         lins = [p for lin in lins for p in getattr(lin, "parts", [lin])]  # a StackedLinear's parts
-        own = {kernels.Q4K: "q4_k", kernels.Q5K: "q5_k"}  # formats named by their kernel code
-        counts = collections.Counter(own.get(getattr(lin, "bits", 0), names[type(lin).__name__]) for lin in lins)
+        own = {kernels.Q4K: "q4_k", kernels.Q5K: "q5_k", kernels.Q6K: "q6_k"}  # the GGUF formats kept as they are
+        counts = collections.Counter(own[lin.bits] if getattr(lin, "bits", 0) in own else names[type(lin).__name__]
+                                     for lin in lins)
         return ", ".join(f"{k} x{v}" for k, v in counts.most_common())
 
     @property

@@ -441,17 +441,24 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16)[..., 0].float()
 
 
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
-    """Q6_K super-blocks [n, 210] (ql: low nibbles, qh: 2 high bits, 16 int8 scales, f16 d) -> [n, 256] f32 as
-    gguf-py's Q6_K.dequantize_blocks computes them ((d scale) q, q = ql | qh << 4 - 32), bit for bit."""
+def _q6_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K super-blocks [n, 210] (ql: low nibbles, qh: 2 high bits, 16 int8 scales, f16 d) -> codes q [n, 256]
+    uint8 in 0..63, scales sc [n, 16] int8, d [n, 1] f32: w = d sc (q - 32) per 16."""
     n = b.shape[0]
-    scale = (_f16(b[:, 208:210])[:, None] * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, 16, 1)
     ql = b[:, :128].reshape(n, 2, 1, 64)
-    lo = torch.cat([ql & 15, ql >> 4], dim=2).reshape(n, 8, 32)
+    lo = torch.cat([ql & 15, ql >> 4], dim=2).reshape(n, 256)
     qh = b[:, 128:192].reshape(n, 2, 1, 32)
-    hi = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 8, 32)
-    q = (lo | (hi << 4)).view(torch.int8) - 32
-    return (scale * q.reshape(n, 16, 16).float()).reshape(n, 256)
+    hi = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 256)
+    return lo | (hi << 4), b[:, 192:208].contiguous().view(torch.int8), _f16(b[:, 208:210])[:, None]
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks [n, 210] -> [n, 256] f32 as gguf-py's Q6_K.dequantize_blocks computes them ((d scale) q,
+    q = ql | qh << 4 - 32), bit for bit."""
+    q, sc, d = _q6_k_parts(b)
+    n = b.shape[0]
+    scale = (d * sc.float()).reshape(n, 16, 1)
+    return (scale * (q.view(torch.int8) - 32).reshape(n, 16, 16).float()).reshape(n, 256)
 
 
 def q5_codes(blocks: np.ndarray) -> Q5Codes:
@@ -470,14 +477,7 @@ def q6_codes(blocks: np.ndarray) -> Q6Codes:
     """A Q6_K tensor's own codes and scales, without dequantizing: blocks [N, bytes per row] -> (q [N, K] uint8 in
     0..63, sc [N, K/16] int8, d [N, K/256] f32) with w = d sc (q - 32), as _q6_k reads them."""
     N = blocks.shape[0]
-    b = _bytes(blocks, 210)
-    n = b.shape[0]
-    ql = b[:, :128].reshape(n, 2, 1, 64)
-    lo = torch.cat([ql & 15, ql >> 4], dim=2).reshape(n, 8, 32)
-    qh = b[:, 128:192].reshape(n, 2, 1, 32)
-    hi = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 8, 32)
-    sc = b[:, 192:208].contiguous().view(torch.int8)
-    return Q6Codes(((lo | (hi << 4)).reshape(N, -1), sc.reshape(N, -1), _f16(b[:, 208:210]).reshape(N, -1)))
+    return Q6Codes(t.reshape(N, -1) for t in _q6_k_parts(_bytes(blocks, 210)))
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
