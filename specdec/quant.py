@@ -10,8 +10,8 @@ a slow path (see MACHINE-FACTS.md), so those layers cast their input to bf16 and
 - int8: symmetric, one scale per output row (absmax / 127).
 - int4: asymmetric, one (scale, zero) per group of 32 input columns, like GGUF's Q4_1: w = (q - 8) * scale + zero;
   a GGUF Q4_K tensor keeps its own two-level scales instead (format kernels.Q4K: exact, 4.625 bits a weight, not 5).
-- Q6_K / Q5_K: a GGUF Q6_K or Q5_K tensor as it is (formats kernels.Q6K / Q5K: 6.5625 / 5.625 bits a weight, not
-  int8's 8), where the kernel has AVX-512 VNNI.
+- Q6_K / Q5_K / Q5_0 / Q5_1: a GGUF tensor in one of these as it is (formats kernels.Q6K / Q5K / Q5: 6.5625 /
+  5.625 / 5.5 / 6 bits a weight, not int8's 8), where the kernel has AVX-512 VNNI.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from . import kernels
 
 if TYPE_CHECKING:
-    from .weights import Q5Codes, Q6Codes, Rows
+    from .weights import Q5Codes, Q6Codes, Q501Codes, Rows
 
 INT4_GROUP = 32
 CHUNK = 4096  # rows an int4 requantization takes at a time (int8: ROWS8)
@@ -260,14 +260,19 @@ class Int4Linear(_Native):
 class Int6Linear(_Native):
     """GGUF Q6_K kept as it is: 6-bit codes, an int8 scale per 16 inputs and an f16 factor per 256 (w = d sc
     (q - 32)), in matmul.c's Q6K layout (kernels.pack_q6k); or Q5_K (Q5Codes): 5-bit codes with Q4_K's scales
-    (w = d sc q - dmin mn), in its Q5K layout (kernels.pack_q5k). Only made where the kernel runs it (supported())."""
+    (w = d sc q - dmin mn), in its Q5K layout (kernels.pack_q5k); or Q5_0 / Q5_1 (Q501Codes): 5-bit codes with an f16
+    d (and m) per 32 (w = d q + m), in its Q5 layout (kernels.pack_q5). Only made where the kernel runs it
+    (supported())."""
 
-    native = True  # (bits, the kernel's format code kernels.Q6K or Q5K, is set on the instance)
+    native = True  # (bits, the kernel's format code kernels.Q6K, Q5K or Q5, is set on the instance)
 
-    def __init__(self, codes: Q6Codes | Q5Codes, b: torch.Tensor | None):
-        from .weights import Q5Codes
+    def __init__(self, codes: Q6Codes | Q5Codes | Q501Codes, b: torch.Tensor | None):
+        from .weights import Q5Codes, Q501Codes
 
-        if isinstance(codes, Q5Codes):
+        if isinstance(codes, Q501Codes):
+            self.bits = kernels.Q5
+            self.weight, self.scales, self.zeros = kernels.pack_q5(*codes)
+        elif isinstance(codes, Q5Codes):
             self.bits = kernels.Q5K
             self.weight, self.scales = kernels.pack_q5k(*codes)
         else:
@@ -277,18 +282,21 @@ class Int6Linear(_Native):
         self.out_features = codes[0].shape[0]
 
     @staticmethod
-    def supported(codes: Q6Codes | Q5Codes) -> bool:
-        """Whether matmul.c takes this tensor as Q6K / Q5K: AVX-512 VNNI (the AVX2 path has neither: such tensors
+    def supported(codes: Q6Codes | Q5Codes | Q501Codes) -> bool:
+        """Whether matmul.c takes this tensor as Q6K / Q5K / Q5: AVX-512 VNNI (the AVX2 path has neither: such tensors
         become int8 there), whole blocks of 16 rows, on the CPU."""
         q = codes[0]
         return kernels.matmul_isa() == "AVX-512 VNNI" and kernels.matmul_supports(*q.shape, q.device)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        blk, lane = ids // kernels.LANES, ids % kernels.LANES
+        if self.bits == kernels.Q5:
+            return kernels.unpack_q5(self.weight, self.scales, self.zeros, blk, lane)
         unpack = kernels.unpack_q5k if self.bits == kernels.Q5K else kernels.unpack_q6k
-        return unpack(self.weight, self.scales, ids // kernels.LANES, ids % kernels.LANES)
+        return unpack(self.weight, self.scales, blk, lane)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight, self.scales, self.bias) if t is not None]
+        return [t for t in (self.weight, self.scales, self.zeros, self.bias) if t is not None]
 
 
 class StackedLinear(_Native):
@@ -334,11 +342,11 @@ def make_linear(w: torch.Tensor | Callable[[], torch.Tensor | Rows], b: torch.Te
     Q6_K, Q8_0, floats). A 5-bit format requantized to 4 bits loses too much: Gemma-3-270M Q4_K_M, whose layers are
     mostly Q5_0, fell to 84% top-1 agreement with its f32 model that way (docs/results/quant-quality-gemma.json).
     codes: the file's own codes (LazyWeights.codes), used as they are when the layer becomes int4 in our kernel's
-    layout, or under "auto" Int6Linear for Q6_K / Q5_K codes (Q6Codes, Q5Codes) where the kernel takes them; lookup:
-    the layer is (also) an embedding table, rows() will be asked."""
-    from .weights import Q5Codes, Q6Codes
+    layout, or under "auto" Int6Linear for Q6_K / Q5_K / Q5_0 / Q5_1 codes (Q6Codes, Q5Codes, Q501Codes) where the
+    kernel takes them; lookup: the layer is (also) an embedding table, rows() will be asked."""
+    from .weights import Q5Codes, Q6Codes, Q501Codes
 
-    if isinstance(codes, Q6Codes | Q5Codes):
+    if isinstance(codes, Q6Codes | Q5Codes | Q501Codes):
         if quant == "auto" and Int6Linear.supported(codes):
             return Int6Linear(codes, b)
         codes = None  # requantized (int8 under "auto")

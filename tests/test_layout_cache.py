@@ -88,6 +88,32 @@ def test_k_quants_are_kept_as_they_are(cache, tmp_path):
     assert torch.equal(logits(load(path, ctx=64)), logits(auto))  # the first load, converted and cached
 
 
+def test_q5_0_q5_1_are_kept_as_they_are(cache, tmp_path):
+    """Under quant "auto", where the kernel has AVX-512 VNNI, Q5_0 / Q5_1 tensors keep their codes and f16 factors
+    (format Q5: no m stored for Q5_0) instead of becoming int8, and a fused layer whose v has no such codes (Q8_0)
+    stacks a Q5 part over an int8 one; the logits track the float32 dequantization and the cached entry gives them
+    bit for bit. Without VNNI every one of them is int8."""
+    from specdec import kernels
+
+    mix = {"blk.1.attn_q.weight": "Q5_1", "blk.1.attn_k.weight": "Q5_1", "blk.1.attn_v.weight": "Q8_0",
+           "blk.1.ffn_*": "Q5_1", "token_embd.weight": "Q8_0"}
+    path = write_gguf("llama", tmp_path / "m.gguf", qtype="Q5_0", seed=6, tied=False, tensor_qtypes=mix)
+    auto, ref = load(path, ctx=64, cache=False), load(path, ctx=64, quant="none", dtype="f32", cache=False)
+    vnni = kernels.matmul_isa() == "AVX-512 VNNI"
+    assert ("q5 x" in auto.model.weight_format) == vnni, auto.model.weight_format
+    l0, l1 = auto.model.layers
+    if vnni:
+        assert l0.wqkv.bits == l0.w13.bits == kernels.Q5 and l0.wqkv.zeros is None  # Q5_0: m = -16 d, not stored
+        assert l1.w13.bits == kernels.Q5 and l1.w13.zeros is not None  # Q5_1's own m
+        assert type(l1.wqkv).__name__ == "StackedLinear" and [p.bits for p in l1.wqkv.parts] == [kernels.Q5, 8]
+    else:
+        assert l0.wqkv.bits == l1.w13.bits == 8
+    a, r = logits(auto)[0].float(), logits(ref)[0]
+    assert (a - r).abs().max() <= 0.05 * r.abs().max(), (a - r).abs().max()
+    assert torch.equal(logits(load(path, ctx=64)), logits(auto))  # the first load, converted and cached
+    assert torch.equal(logits(load(path, ctx=64)), logits(auto))  # the cached entry
+
+
 def test_entries_of_an_older_layout_version_are_pruned(cache, tmp_path, monkeypatch):
     """A first load removes the entries of an older layout version (no load can use them again), keeps a newer
     version's (another install's) and the current ones of other settings."""

@@ -246,32 +246,37 @@ def test_q4k_without_its_scales_rounds_them():
     torch.testing.assert_close(rounded.rows(ids), w, atol=2e-2 * w.abs().max().item(), rtol=1e-2)
 
 
-@pytest.mark.skipif(kernels.matmul_isa() != "AVX-512 VNNI", reason="Q6K / Q5K are the AVX-512 path's (AVX2: int8)")
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K"])
+@pytest.mark.skipif(kernels.matmul_isa() != "AVX-512 VNNI", reason="Q6K / Q5K / Q5 are the AVX-512 path's (AVX2: int8)")
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_q6k_q5k_codes_are_used_as_they_are(qtype, dtype):
-    """A GGUF Q6_K / Q5_K tensor kept as it is (format Q6K: 6-bit codes, int8 scale per 16, f16 d per 256: 6.5625
-    bits a weight; Q5K: 5-bit codes with Q4_K's scales: 5.625 bits; int8 takes 8): the kernel computes the header's
-    sums (against float64 with gguf-py's weights, to f32 rounding), rows() gives gguf-py's weights bit for bit, rows
-    are batch-invariant, and the loader's path (make_linear under "auto") takes it; under "int8" it is requantized
-    as asked."""
+    """A GGUF Q6_K / Q5_K / Q5_0 / Q5_1 tensor kept as it is (format Q6K: 6-bit codes, int8 scale per 16, f16 d per
+    256: 6.5625 bits a weight; Q5K: 5-bit codes with Q4_K's scales: 5.625 bits; Q5: 5-bit codes with f16 d, and m for
+    Q5_1, per 32: 5.5 / 6 bits; int8 takes 8): the kernel computes the header's sums (against float64 with gguf-py's
+    weights, to f32 rounding), rows() gives gguf-py's weights bit for bit, rows are batch-invariant, and the loader's
+    path (make_linear under "auto") takes it; under "int8" it is requantized as asked."""
     from specdec.quant import Int6Linear, make_linear
-    from specdec.weights.gguf import q5_codes, q6_codes
+    from specdec.weights.gguf import q5_codes, q6_codes, q501_codes
 
     n, k = 80, 512
-    size, f16_at, own, code, bits = {"Q6_K": (210, (208,), q6_codes, kernels.Q6K, 105 / 128),
-                                     "Q5_K": (176, (0, 2), q5_codes, kernels.Q5K, 45 / 64)}[qtype]
-    g = np.random.default_rng(7)
-    data = g.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
-    for a in f16_at:
-        data[..., a:a + 2] = (np.abs(g.standard_normal((n, k // 256, 1))) * 0.001).astype(np.float16).view(np.uint8)
-    data = data.reshape(n, -1)
     qt = gguf.GGMLQuantizationType[qtype]
+    legacy = lambda data: q501_codes(data, qt)  # noqa: E731
+    size, per, f16_at, own, code, bits = {"Q6_K": (210, 256, (208,), q6_codes, kernels.Q6K, 105 / 128),
+                                          "Q5_K": (176, 256, (0, 2), q5_codes, kernels.Q5K, 45 / 64),
+                                          "Q5_0": (22, 32, (0,), legacy, kernels.Q5, 11 / 16),
+                                          "Q5_1": (24, 32, (0, 2), legacy, kernels.Q5, 3 / 4)}[qtype]
+    g = np.random.default_rng(7)
+    data = g.integers(0, 256, (n, k // per, size), dtype=np.uint8)
+    for a in f16_at:  # d (and Q5_1's m, Q5_K's dmin): small f16 values, m of either sign
+        sign = np.sign(g.standard_normal((n, k // per, 1))) if a == 2 and per == 32 else 1
+        data[..., a:a + 2] = (sign * np.abs(g.standard_normal((n, k // per, 1))) * 0.001).astype(np.float16).view(
+            np.uint8)
+    data = data.reshape(n, -1)
     w = torch.from_numpy(gguf.dequantize(data, qt).astype(np.float32)).reshape(n, k)
     codes = own(data)
-    lin = make_linear(lambda: w, None, torch.bfloat16, "auto", 8.0 * size / 256, codes)
+    lin = make_linear(lambda: w, None, torch.bfloat16, "auto", 8.0 * size / per, codes)
     assert isinstance(lin, Int6Linear) and lin.bits == code
-    assert isinstance(make_linear(lambda: w, None, torch.bfloat16, "int8", 8.0 * size / 256, codes), Int8Linear)
+    assert isinstance(make_linear(lambda: w, None, torch.bfloat16, "int8", 8.0 * size / per, codes), Int8Linear)
     assert sum(t.numel() * t.element_size() for t in lin.tensors()) == n * k * bits
     ids = torch.tensor([0, 15, 16, 79, 33])
     assert torch.equal(lin.rows(ids), w[ids])

@@ -3,10 +3,11 @@
 Decoding speed depends on the shapes and formats of the weights, not on their values, and no model larger than
 SmolLM2-135M / Gemma-3-270M ships on this machine's package index. So these files have the exact tensor shapes of
 Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-0.5B / 7B / 14B and the tensor types llama.cpp's quantizer gives them (Q4_0,
-Q8_0, Q4_K_M: Q4_K, with Q6_K for the output head and for attn_v / ffn_down in the layers llama.cpp's
-`use_more_bits` picks, llama-quant.cpp, or Q5_K_M: the same with Q5_K), filled with random valid blocks (fp16 block
-scales chosen so the weights have a standard deviation of ~0.02). The SmolLM2 tokenizer is copied in, its token list
-padded with unused tokens to the shape's vocabulary size, so llama.cpp runs the very same file.
+Q5_0, Q5_1, Q8_0: that type with a Q6_K output head, or Q8_0's own; Q4_K_M: Q4_K, with Q6_K for the output head and
+for attn_v / ffn_down in the layers llama.cpp's `use_more_bits` picks, llama-quant.cpp, or Q5_K_M: the same with
+Q5_K), filled with random valid blocks (fp16 block scales chosen so the weights have a standard deviation of ~0.02).
+The SmolLM2 tokenizer is copied in, its token list padded with unused tokens to the shape's vocabulary size, so
+llama.cpp runs the very same file.
 
 Mixture-of-experts shapes (MOE_SHAPES) are written as llama.cpp's converter lays them out: experts stacked into
 3-D ffn_{gate,up,down}_exps [E, N, K], the router ffn_gate_inp kept F32 (the quantizer never quantizes it), shared
@@ -46,7 +47,7 @@ SHAPES = {
     "qwen2.5-7b": ("qwen2", 3584, 28, 28, 4, 18944, 152064, False, 1000000.0, 32768),
     "qwen2.5-14b": ("qwen2", 5120, 48, 40, 8, 13824, 152064, False, 1000000.0, 32768),
 }
-QUANTS = ("Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M")
+QUANTS = ("Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K_M")
 # byte offsets of the fp16 block scale d and (for formats with one) the minimum / dmin
 _SCALES = {"Q4_0": (0, None), "Q4_1": (0, 2), "Q5_0": (0, None), "Q5_1": (0, 2), "Q8_0": (0, None), "Q4_K": (0, 2),
            "Q5_K": (0, 2), "Q6_K": (208, None)}
@@ -264,7 +265,7 @@ def write_fixture(shape_name: str | Shape, quant: str, out: Path, seed: int = 0,
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(s.norm_eps or (1e-5 if s.arch == "llama" else 1e-6))
     w.add_vocab_size(s.vocab)
-    w.add_file_type({"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}[quant])
+    w.add_file_type({"Q4_0": 2, "Q5_0": 8, "Q5_1": 9, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}[quant])
     if s.n_experts:
         _add_moe_metadata(w, s)
     for key, (value, types) in _tokenizer_fields(s.vocab).items():

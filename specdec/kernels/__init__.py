@@ -289,7 +289,8 @@ def forward_lib() -> ctypes.CDLL | None:
 
 LANES, GROUP = 16, 32  # output rows per block, inputs per quantization group (matmul.c)
 Q4K, KGROUPS = 20, 8  # matmul.c's format code for int4 codes with Q4_K's scales; groups per Q4_K super-block
-Q6K, Q5K = 22, 21  # matmul.c's format codes for Q6_K's and Q5_K's codes and scales (AVX-512 VNNI only)
+Q6K, Q5K, Q5 = 22, 21, 23  # matmul.c's format codes for Q6_K's, Q5_K's and Q5_0's / Q5_1's codes and scales
+                           # (AVX-512 VNNI only)
 STACK = 30  # matmul.c's format code for a weight whose blocks of rows are parts in different formats
 
 
@@ -376,11 +377,9 @@ def pack_q6k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.
     return codes, torch.cat([f, c.reshape(nb, S, 2 * KGROUPS * LANES)], dim=-1).contiguous()
 
 
-def pack_q5k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """matmul.c's Q5_K layout (format Q5K) from a Q5_K tensor's own codes q [N, K] (0..31) and Q4_K-style scales ->
-    (codes [N/16, K/32, 320] uint8: the low nibbles as pack_codes4, then 64 bytes whose byte j holds at bit i the fifth
-    bit of byte j of instruction i; scales as pack_q4k)."""
+def pack_codes5(q: torch.Tensor) -> torch.Tensor:
+    """matmul.c's 5-bit codes (formats Q5K, Q5) from q [N, K] (0..31) -> [N/16, K/32, 320] uint8: the low nibbles as
+    pack_codes4, then 64 bytes whose byte j holds at bit i the fifth bit of byte j of instruction i."""
     N, K = q.shape
     G = K // GROUP
     codes = torch.empty(N // LANES, G, 320, dtype=torch.uint8)
@@ -390,17 +389,45 @@ def pack_q5k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Ten
         hi = (rows >> 4).reshape(b, LANES, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(b, G, 8, 64)
         plane = sum(hi[:, :, i] << i for i in range(8))
         codes[a // LANES:a // LANES + b] = torch.cat([pack_codes4(rows & 15).reshape(b, G, 256), plane], dim=-1)
-    return codes, pack_q4k(d, dmin, sc, mn)
+    return codes
+
+
+def unpack_codes5(codes: torch.Tensor, blk: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """Rows (block blk, lane) of pack_codes5's codes -> [..., K/32, 32] uint8 (0..31)."""
+    nb, G = codes.shape[:2]
+    h = codes[..., 256:].reshape(nb, G, LANES, 4)[blk, :, lane]  # [..., G, 4]
+    hi = torch.stack([(h >> i) & 1 for i in range(8)], dim=-2).reshape(*blk.shape, G, GROUP)
+    return unpack_codes4(codes, blk, lane) | (hi << 4)
+
+
+def pack_q5k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """matmul.c's Q5_K layout (format Q5K) from a Q5_K tensor's own codes q [N, K] (0..31) and Q4_K-style scales ->
+    (codes as pack_codes5, scales as pack_q4k)."""
+    return pack_codes5(q), pack_q4k(d, dmin, sc, mn)
 
 
 def unpack_q5k(codes: torch.Tensor, scales: torch.Tensor, blk: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
     """Rows (block blk, lane) of pack_q5k's layout -> their weights d sc q - dmin mn [..., K] f32."""
-    nb, G = codes.shape[:2]
-    lo = unpack_codes4(codes, blk, lane)
-    h = codes[..., 256:].reshape(nb, G, LANES, 4)[blk, :, lane]  # [..., G, 4]
-    hi = torch.stack([(h >> i) & 1 for i in range(8)], dim=-2).reshape(*blk.shape, G, GROUP)
     s, m = unpack_q4k(scales, blk, lane)
-    return ((lo | (hi << 4)).float() * s[..., None] + m[..., None]).flatten(-2)
+    return (unpack_codes5(codes, blk, lane).float() * s[..., None] + m[..., None]).flatten(-2)
+
+
+def pack_q5(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """matmul.c's Q5_0 / Q5_1 layout (format Q5) from a tensor's own codes q [N, K] (0..31) and factors d, m
+    [N, K/32] (f16 values; w = d q + m) -> (codes as pack_codes5, d and m [N/16, K/32, 16] f16; m None where it is
+    -16 d throughout: Q5_0, whose kernel pass derives it)."""
+    per_block = lambda t: lanes_last(t).to(torch.float16).contiguous()  # noqa: E731
+    return pack_codes5(q), per_block(d), None if torch.equal(m, -16 * d) else per_block(m)
+
+
+def unpack_q5(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, blk: torch.Tensor,
+              lane: torch.Tensor) -> torch.Tensor:
+    """Rows (block blk, lane) of pack_q5's layout -> their weights d q + m [..., K] f32."""
+    d = scales[blk, :, lane].float()  # [..., G]
+    m = zeros[blk, :, lane].float() if zeros is not None else -16 * d
+    return (unpack_codes5(codes, blk, lane).float() * d[..., None] + m[..., None]).flatten(-2)
 
 
 def unpack_q6k(codes: torch.Tensor, scales: torch.Tensor, blk: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:

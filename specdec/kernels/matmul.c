@@ -44,6 +44,11 @@
    64-byte vector after the group's nibbles (WGROUP5 bytes a group), byte j's bit i that of byte j of instruction i:
    GGUF Q5_K as it is, 5.625 bits a weight instead of int8's 8.
 
+   Q5_0 / Q5_1 (bits = Q5; the AVX-512 path only): Q5_K's codes (nibbles and fifth-bit vector, WGROUP5 bytes a group)
+   with the file's own f16 factors per group of 32 instead of bf16 ones: s holds d [G][16] and z m [G][16] (Q5_1:
+   w = d q + m) or nothing (Q5_0: w = d (q - 16), so m = -16 d); m is the minimum factor itself. 5.5 bits a weight
+   (Q5_0) or 6 (Q5_1) instead of int8's 8.
+
    Stacked (bits = STACK): a weight whose blocks of rows are stored in different formats, e.g. a fused q|k|v of a
    Q4_K_M file whose q and k are Q4_K and v Q6_K; s is an int64 table {n, then per part: its blocks of 16 rows, bits,
    codes, scales, zeros (0: none)}, and each block is computed as its part alone would compute it.
@@ -98,6 +103,7 @@
 #define STACK 30     /* bits: parts in different formats (see the header) */
 #define Q5K 21       /* bits: Q5_K's codes and scales (see the header) */
 #define WGROUP5 320  /* bytes of Q5_K codes per block of 16 rows and group */
+#define Q5 23        /* bits: Q5_0's / Q5_1's codes and f16 factors (see the header) */
 #define WIDEN 2 /* specdec_matmul's bf16 = 2: bf16 inputs, outputs rounded to bf16 and stored widened to f32 */
 /* activation rows per pass over a block's weights (register blocking). AVX-512: one accumulator a row in the pass
    (int4's minimum term fused into it only up to YM_FUSED_MAX rows, else in a pass of its own), up to 9 rows, and
@@ -330,12 +336,25 @@ static inline __m512 kq_factor(const uint16_t *m, int g, int which) {
     return _mm512_mul_ps(f, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)));
 }
 
-/* The minimum term of rows [t0, t0 + nt) over every group, one chain a row (the same sums wherever it runs); kq:
-   s holds Q4_K scales */
+static inline __m512 load_f16x16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* Group g's scale of a block: kq 0 (int4): bf16 s; 1, 2 (Q4_K's scales, Q5_K): d sc; 3 (Q5_0 / Q5_1): f16 d */
+static inline __m512 group_scale(const uint16_t *s, int g, const int kq) {
+    return kq == 3 ? load_f16x16(s + (long)g * LANES) : kq ? kq_factor(s, g, 0) : load_bf16x16(s + (long)g * LANES);
+}
+
+/* Group g's minimum factor (m in the header) given its scale sg, by kq as group_scale */
+static inline __m512 group_min(__m512 sg, const uint16_t *s, const uint16_t *z, int g, const int kq) {
+    if (kq == 3) return z ? load_f16x16(z + (long)g * LANES) : _mm512_mul_ps(_mm512_set1_ps(-16.0f), sg);
+    return kq ? kq_factor(s, g, 1) : min_scale(sg, z, g);
+}
+
+/* The minimum term of rows [t0, t0 + nt) over every group, one chain a row (the same sums wherever it runs); kq as
+   group_scale */
 static inline __attribute__((always_inline)) void min_term(const uint16_t *s, const uint16_t *z, const int kq, int G,
                                                            const float *ds, int t0, const int nt, __m512 *ym) {
     for (int g = 0; g < G; g++) {
-        __m512 mg = kq ? kq_factor(s, g, 1) : min_scale(load_bf16x16(s + (long)g * LANES), z, g);
+        __m512 mg = group_min(group_scale(s, g, kq), s, z, g, kq);
         for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
     }
 }
@@ -369,8 +388,8 @@ static inline __m512i group_dot(const __m512i u[8], const int8_t *q) {
 /* One block of 16 output rows for rows [t0, t0 + nt) of x, nt <= ROWS4: the scale term over every group (one FMA
    per row and group), then the minimum term in its own pass (its own chain, as before: the same sums), so a pass
    keeps one accumulator a row in registers and takes up to ROWS4 rows. Inlined with nt a constant (ROW_CASES
-   below): with nt a variable GCC kept the accumulators on the stack. kq: s holds Q4_K scales (see the header); 2:
-   and the codes are Q5_K's (a fifth bit). */
+   below): with nt a variable GCC kept the accumulators on the stack. kq: 1: s holds Q4_K scales (see the header);
+   2: and the codes are Q5_K's (a fifth bit); 3: Q5_0's / Q5_1's fifth bits and f16 factors. */
 static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w, const uint16_t *s, const uint16_t *z,
                                                                const int kq, int G, const int8_t *qx, const float *d,
                                                                const float *ds, int K, int t0, const int nt,
@@ -378,17 +397,18 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
     __m512 y[ROWS4], ym[ROWS4];
     for (int r = 0; r < ROWS4; r++) y[r] = ym[r] = _mm512_setzero_ps();
     const __m512i bit4 = _mm512_set1_epi8(0x10);
+    const int ksuper = kq == 1 || kq == 2; /* s holds Q4_K's scales by super-block */
     for (int g = 0; g < G; g++) {
-        const uint8_t *wg = w + (long)g * (kq == 2 ? WGROUP5 : 256);
+        const uint8_t *wg = w + (long)g * (kq >= 2 ? WGROUP5 : 256);
 #if PREFETCH
-        for (int j = 0; j < (kq == 2 ? 5 : 4); j++) PREFETCH_ROWS(nt, (const char *)(wg + PREFETCH + 64 * j));
-        PREFETCH_ROWS(nt, kq ? (const char *)s + (long)g * (KSUPER / KGROUPS) + PREFETCH * KSUPER / (KGROUPS * 256)
-                             : (const char *)(s + (long)g * LANES + PREFETCH / 8));
+        for (int j = 0; j < (kq >= 2 ? 5 : 4); j++) PREFETCH_ROWS(nt, (const char *)(wg + PREFETCH + 64 * j));
+        PREFETCH_ROWS(nt, ksuper ? (const char *)s + (long)g * (KSUPER / KGROUPS) + PREFETCH * KSUPER / (KGROUPS * 256)
+                                 : (const char *)(s + (long)g * LANES + PREFETCH / 8));
         if (z) PREFETCH_ROWS(nt, (const char *)(z + (long)g * LANES + PREFETCH / 8));
 #endif
         __m512i u[8];
         nibbles(wg, u);
-        if (kq == 2) { /* Q5_K: instruction i's fifth bits at bit i, moved to bit 4 and or-ed in (VPTERNLOGD 0xF8) */
+        if (kq >= 2) { /* Q5_K, Q5_0, Q5_1: instruction i's fifth bits at bit i, moved to bit 4 (VPTERNLOGD) */
             __m512i h = _mm512_loadu_si512((const void *)(wg + 256));
             u[0] = _mm512_ternarylogic_epi32(u[0], _mm512_slli_epi16(h, 4), bit4, 0xF8);
             u[1] = _mm512_ternarylogic_epi32(u[1], _mm512_slli_epi16(h, 3), bit4, 0xF8);
@@ -399,14 +419,14 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
             u[6] = _mm512_ternarylogic_epi32(u[6], _mm512_srli_epi16(h, 2), bit4, 0xF8);
             u[7] = _mm512_ternarylogic_epi32(u[7], _mm512_srli_epi16(h, 3), bit4, 0xF8);
         }
-        __m512 sg = kq ? kq_factor(s, g, 0) : load_bf16x16(s + (long)g * LANES);
+        __m512 sg = group_scale(s, g, kq);
         for (int r = 0; r < nt; r++) {
             __m512i a = group_dot(u, qx + (long)(t0 + r) * K + (long)g * GROUP);
             y[r] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(d[(long)(t0 + r) * G + g])), _mm512_cvtepi32_ps(a),
                                    y[r]);
         }
         if (nt <= YM_FUSED_MAX) { /* few rows: the minimum term in this loop, registers to spare */
-            __m512 mg = kq ? kq_factor(s, g, 1) : min_scale(sg, z, g);
+            __m512 mg = group_min(sg, s, z, g, kq);
             for (int r = 0; r < nt; r++) ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(ds[(long)(t0 + r) * G + g]), ym[r]);
         }
     }
@@ -762,7 +782,10 @@ static void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, i
 #define CALL4(n) block_int4_n(w, s, z, 0, G, qx, d, ds, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
 #define CALL4K(n) block_int4_n(w, s, NULL, 1, G, qx, d, ds, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
 #define CALL5K(n) block_int4_n(w, s, NULL, 2, G, qx, d, ds, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
-    if (kq == 2)
+#define CALL5(n) block_int4_n(w, s, z, 3, G, qx, d, ds, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
+    if (kq == 3)
+        ROW_CASES(CALL5)
+    else if (kq == 2)
         ROW_CASES(CALL5K)
     else if (kq)
         ROW_CASES(CALL4K)
@@ -771,6 +794,7 @@ static void block_int4(const uint8_t *w, const uint16_t *s, const uint16_t *z, i
 #undef CALL4
 #undef CALL4K
 #undef CALL5K
+#undef CALL5
 }
 
 static void block_int8(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d, const float *c,
@@ -978,17 +1002,19 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
     }
     const int8_t *qx = x->q;
     const float *d = x->d, *ds = x->ds, *c = x->c;
-    int kq = bits == Q5K ? 2 : bits == Q4K, int4 = bits == 4 || kq, int6 = bits == Q6K;
+    int kq = bits == Q5 ? 3 : bits == Q5K ? 2 : bits == Q4K, int4 = bits == 4 || kq, int6 = bits == Q6K;
     /* bytes of codes per block of 16 rows */
-    long wblock = (long)G * (kq == 2 ? WGROUP5 : int4 ? 256 : int6 ? WGROUP6 : 512);
-    /* int4 / Q6_K scales per block of 16 rows, in uint16 units: bf16 [G, 16], Q4_K's KSUPER bytes a super-block,
-       Q6_K's KSUPER6 */
-    long sblock = kq ? (long)G / KGROUPS * (KSUPER / 2) : int6 ? (long)G / KGROUPS * (KSUPER6 / 2) : (long)G * LANES;
+    long wblock = (long)G * (kq >= 2 ? WGROUP5 : int4 ? 256 : int6 ? WGROUP6 : 512);
+    /* int4 / Q6_K scales per block of 16 rows, in uint16 units: bf16 [G, 16] (Q5_0 / Q5_1: f16), Q4_K's KSUPER
+       bytes a super-block, Q6_K's KSUPER6 */
+    long sblock = kq == 1 || kq == 2 ? (long)G / KGROUPS * (KSUPER / 2)
+                  : int6                 ? (long)G / KGROUPS * (KSUPER6 / 2)
+                                         : (long)G * LANES;
 #if HAVE_AMX
     int t_amx = 0; /* rows done on tiles of 16, then one of AMX_MIN_ROWS..15 rows; the rest below on VNNI (fewer rows
                       gain nothing from tiles: a 3072 x 576 int4 product at T = 2 took 41 us on tiles, 23 us on VNNI;
                       at 16 rows 83 against 108; docs/results/amx-matmul.txt) */
-    if (amx_on && !int6 && kq != 2) /* (Q6_K's and Q5_K's codes take the VNNI path at any row count) */
+    if (amx_on && !int6 && kq < 2) /* (Q6_K's and 5-bit codes take the VNNI path at any row count) */
         while (T - t_amx >= AMX_MIN_ROWS || T - t_amx >= AMX_ROWS) {
             int nt = T - t_amx < AMX_ROWS ? T - t_amx : AMX_ROWS;
             if (int4)
@@ -1024,7 +1050,7 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
 
 /* Whether bits names a weight format the kernel takes for K inputs (Q4_K's scales come in super-blocks of 256) */
 static int format_ok(int bits, int K) {
-    return bits == 4 || bits == 8 ||
+    return bits == 4 || bits == 8 || (bits == Q5 && HAVE_VNNI) ||
            ((bits == Q4K || ((bits == Q5K || bits == Q6K) && HAVE_VNNI)) && K % (KGROUPS * GROUP) == 0);
 }
 
@@ -1067,9 +1093,10 @@ static int quantized_input(const void *x, int bf16, int T, int K, const float *n
 
 #endif
 
-/* y = x [T, K] W^T, W [N, K]. bits: 4, 8, Q4K or Q6K. w: packed codes (see the header), s / z: bf16 scales / zeros
-   laid out [N/16, K/32, 16] (int4; z NULL: every zero is 0, symmetric weights), s [N] (int8, z unused), or s Q4_K's
-   scales [N/16, K/256, KSUPER bytes] (Q4K, z unused) or Q6_K's [N/16, K/256, KSUPER6 bytes] (Q6K, z unused). x, y
+/* y = x [T, K] W^T, W [N, K]. bits: 4, 8, Q4K, Q5K, Q6K, Q5 or STACK. w: packed codes (see the header), s / z: bf16
+   scales / zeros laid out [N/16, K/32, 16] (int4; z NULL: every zero is 0, symmetric weights; Q5: f16 d / m, z NULL
+   for Q5_0), s [N] (int8, z unused), or s Q4_K's scales [N/16, K/256, KSUPER bytes] (Q4K, Q5K, z unused) or Q6_K's
+   [N/16, K/256, KSUPER6 bytes] (Q6K, z unused) or a STACK table (see the header). x, y
    and residual are bf16 when bf16 is 1, f32 when 0; bf16 = WIDEN: x and residual bf16, y f32 holding the
    bf16-rounded values (what widening a bf16 result gives, written in one pass: an output head's logits).
    norm: f32 [K] RMSNorm weight applied to x's rows first (eps inside the root), or NULL. swiglu: y [T, N/2] =

@@ -433,7 +433,7 @@ class Transformer:
         lins = [lin for layer in self.layers for lin in layer.linears()] + [self.output]
         lins += [lin for layer in self.layers if layer.moe for pair in layer.moe.experts for lin in pair]
         lins = [p for lin in lins for p in getattr(lin, "parts", [lin])]  # a StackedLinear's parts
-        own = {kernels.Q4K: "q4_k", kernels.Q5K: "q5_k", kernels.Q6K: "q6_k"}  # the GGUF formats kept as they are
+        own = {kernels.Q4K: "q4_k", kernels.Q5K: "q5_k", kernels.Q6K: "q6_k", kernels.Q5: "q5"}  # GGUF's kept as is
         counts = collections.Counter(own[lin.bits] if getattr(lin, "bits", 0) in own else names[type(lin).__name__]
                                      for lin in lins)
         return ", ".join(f"{k} x{v}" for k, v in counts.most_common())

@@ -28,6 +28,12 @@ class Q5Codes(tuple):
     (weights.gguf.q5_codes)."""
 
 
+class Q501Codes(tuple):
+    """A GGUF Q5_0 / Q5_1 tensor's own codes and factors, (q [N, K] uint8 in 0..31, d, m [N, K/32] f32) with
+    w = d q + m per group of 32 (Q5_0: m = -16 d): what quant.Int6Linear keeps as format Q5
+    (weights.gguf.q501_codes)."""
+
+
 class LazyWeights(Mapping[str, torch.Tensor]):
     """Tensors produced on access (dequantized / converted one at a time, so peak memory stays low).
 
@@ -47,7 +53,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         self._numel = numel
         # codes taken from the file without dequantizing: int4 (GGUF Q4_0 / Q4_1 / Q4_K): name -> () -> (q, scale,
         # zero) with q [N, K] in 0..15 and scale, zero [N, K / 32] (w = (q - 8) scale + zero), then Q4_K's own
-        # scales (gguf.int4_codes); Q6_K / Q5_K: name -> () -> Q6Codes / Q5Codes
+        # scales (gguf.int4_codes); Q6_K / Q5_K / Q5_0, Q5_1: name -> () -> Q6Codes / Q5Codes / Q501Codes
         self._codes = codes or {}
         self.recorder = None
         self.linears: dict[str, dict] = {}  # what was recorded: key -> {"class", "attrs"}
@@ -70,7 +76,8 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def codes(self, *names: str) -> tuple[torch.Tensor, ...] | None:
         """The codes of `names` stacked by rows (as torch.cat of the matrices would be), when every one of them
         is stored in a 4-bit format with groups of 32 (int4 codes; with Q4_K's own scales when every one is Q4_K) or
-        every one in Q6_K (Q6Codes) or Q5_K (Q5Codes); else None (dequantize and requantize)."""
+        every one in Q6_K (Q6Codes), Q5_K (Q5Codes) or Q5_0 / Q5_1 (Q501Codes); else None (dequantize and
+        requantize)."""
         if not names or not all(n in self._codes for n in names):
             return None
         parts = [self._codes[n]() for n in names]
@@ -81,14 +88,16 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return kind(torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(n))
 
     def code_runs(self, *names: str) -> list[tuple[str, ...]] | None:
-        """`names` in runs of consecutive names stored alike (bits per weight), when every one has codes and they
-        are not all alike: e.g. q, k in Q4_K and v in Q6_K -> [(q, k), (v,)], each run a layer of its own format
-        stacked into one (quant.StackedLinear); else None."""
-        if len(names) < 2 or not all(n in self._codes for n in names):
+        """`names` in runs of consecutive names stored alike (bits per weight, and whether the file's codes are kept),
+        when some have codes and they are not all alike: e.g. q, k in Q4_K and v in Q6_K -> [(q, k), (v,)]; q, k in
+        Q5_0 and v in Q8_0 (made int8) -> [(q, k), (v,)]; each run a layer of its own format stacked into one
+        (quant.StackedLinear); else None."""
+        if len(names) < 2 or not any(n in self._codes for n in names):
             return None
         runs: list[list[str]] = []
         for n in names:
-            if runs and abs(self.bits(n) - self.bits(runs[-1][-1])) < 1e-6:
+            if runs and abs(self.bits(n) - self.bits(runs[-1][-1])) < 1e-6 and \
+                    (n in self._codes) == (runs[-1][-1] in self._codes):
                 runs[-1].append(n)
             else:
                 runs.append([n])

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..config import FAMILIES, SUPPORTED, ModelArgs, ModelError, yarn_mscale
-from . import LazyWeights, LoadedModel, Q5Codes, Q6Codes, Rows, rope_layout, unpermute_rotary
+from . import LazyWeights, LoadedModel, Q5Codes, Q6Codes, Q501Codes, Rows, rope_layout, unpermute_rotary
 
 GGUF_MAGIC = b"GGUF"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -316,8 +316,7 @@ def read_gguf(path: Path) -> LoadedModel:
         def load() -> tuple[torch.Tensor, ...]:
             data = t.data if expert is None else t.data[expert]
             qtype = GGMLQuantizationType(t.tensor_type)
-            own = {"Q6_K": q6_codes, "Q5_K": q5_codes}.get(qtype.name)
-            parts = own(np.asarray(data)) if own else int4_codes(np.asarray(data), qtype)
+            parts = own_codes(np.asarray(data), qtype)
             if expert is None or expert == t.shape[-1] - 1:
                 release(t)
             return type(parts)(rope_layout(args, name, permuted(x, name)) for x in parts)
@@ -330,7 +329,7 @@ def read_gguf(path: Path) -> LoadedModel:
             continue  # folded into args.rope_scaling
         name = canonical(name)
         shape = tuple(int(s) for s in reversed(t.shape))
-        coded = GGMLQuantizationType(t.tensor_type).name in (*INT4_CODES, "Q5_K", "Q6_K")  # codes as they are
+        coded = GGMLQuantizationType(t.tensor_type).name in (*INT4_CODES, *OWN_CODES)  # codes as they are
         stacked = _STACKED.get(name.rsplit(".", 1)[-1]) if len(shape) == 3 else None
         if stacked:  # blk.N.ffn_up_exps [E, N, K] -> blk.N.exp.{e}.ffn_up [N, K], each loaded on its own
             for e in range(shape[0]):
@@ -429,6 +428,7 @@ def check_model(args: ModelArgs, shapes: Mapping[str, tuple[int, ...]], where: s
 
 
 INT4_CODES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit formats whose codes our int4 layout holds as they are
+OWN_CODES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")  # formats whose codes the kernel takes as they are where it can (VNNI)
 
 
 def _bytes(blocks: np.ndarray, block_bytes: int) -> torch.Tensor:
@@ -478,6 +478,22 @@ def q6_codes(blocks: np.ndarray) -> Q6Codes:
     0..63, sc [N, K/16] int8, d [N, K/256] f32) with w = d sc (q - 32), as _q6_k reads them."""
     N = blocks.shape[0]
     return Q6Codes(t.reshape(N, -1) for t in _q6_k_parts(_bytes(blocks, 210)))
+
+
+def q501_codes(blocks: np.ndarray, qtype) -> Q501Codes:
+    """A Q5_0 / Q5_1 tensor's own codes and factors, without dequantizing: blocks [N, bytes per row] -> Q501Codes
+    (q [N, K] uint8 in 0..31, d, m [N, K/32] f32; Q5_0: m = -16 d, exact). A block of 32: f16 d (Q5_1: then f16 m),
+    a little-endian uint32 whose bit j is element j's fifth bit, 16 bytes of nibbles (element j in the low nibble of
+    byte j, j + 16 in the high one), as gguf-py's Q5_0 / Q5_1 dequantize_blocks read them."""
+    size = 24 if qtype.name == "Q5_1" else 22
+    N = blocks.shape[0]
+    b = _bytes(blocks, size).reshape(N, -1, size)
+    d = _f16(b[..., :2])  # [N, G]
+    m = _f16(b[..., 2:4]) if size == 24 else -16 * d
+    qh = b[..., size - 20:size - 16, None] >> torch.arange(8, dtype=torch.uint8)  # [N, G, 4, 8]: bit 8 k + i
+    qs = b[..., size - 16:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1) | ((qh & 1).reshape(N, -1, 32) << 4)
+    return Q501Codes((q.reshape(N, -1), d, m))
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -543,6 +559,14 @@ def int4_codes(blocks: np.ndarray, qtype) -> tuple[torch.Tensor, ...]:
         return (q.reshape(N, -1), scale, 8 * scale - dm, d.reshape(N, -1), dmin.reshape(N, -1), sc.reshape(N, -1),
                 mn.reshape(N, -1))
     raise ValueError(name)
+
+
+def own_codes(blocks: np.ndarray, qtype) -> tuple[torch.Tensor, ...]:
+    """A tensor's codes as the kernel keeps them, by format: int4_codes (INT4_CODES), Q5Codes, Q6Codes, Q501Codes."""
+    if qtype.name in ("Q5_0", "Q5_1"):
+        return q501_codes(blocks, qtype)
+    own = {"Q6_K": q6_codes, "Q5_K": q5_codes}.get(qtype.name)
+    return own(blocks) if own else int4_codes(blocks, qtype)
 
 
 def _args_from_meta(arch: str, meta: dict, tensors: dict) -> ModelArgs:
