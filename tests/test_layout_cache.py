@@ -77,41 +77,53 @@ def test_k_quants_are_kept_as_they_are(cache, tmp_path):
     auto, ref = load(path, ctx=64, cache=False), load(path, ctx=64, quant="none", dtype="f32", cache=False)
     fmt = auto.model.weight_format
     vnni = kernels.matmul_isa() == "AVX-512 VNNI"
-    assert "q4_k" in fmt and ("q6_k" in fmt) == vnni and ("q5_k" in fmt) == vnni, fmt
+    assert "q4_k" in fmt and ("q6_k" in fmt) == vnni and "q5_k" in fmt, fmt  # (AVX2: Q5K, no Q6K)
     qkv, w13 = auto.model.layers[1].wqkv, auto.model.layers[1].w13  # q, k Q4_K over v Q6_K; gate Q5_K over up Q4_K
     assert type(qkv).__name__ == "StackedLinear" and [p.bits for p in qkv.parts] == [
         kernels.Q4K, kernels.Q6K if vnni else 8]
-    assert type(w13).__name__ == "StackedLinear" and [p.bits for p in w13.parts] == [
-        kernels.Q5K if vnni else 8, kernels.Q4K]
+    assert type(w13).__name__ == "StackedLinear" and [p.bits for p in w13.parts] == [kernels.Q5K, kernels.Q4K]
     a, r = logits(auto)[0].float(), logits(ref)[0]
     assert (a - r).abs().max() <= 0.05 * r.abs().max(), (a - r).abs().max()
     assert torch.equal(logits(load(path, ctx=64)), logits(auto))  # the first load, converted and cached
 
 
 def test_q5_0_q5_1_are_kept_as_they_are(cache, tmp_path):
-    """Under quant "auto", where the kernel has AVX-512 VNNI, Q5_0 / Q5_1 tensors keep their codes and f16 factors
+    """Under quant "auto" (the AVX-512 or the AVX2 kernel), Q5_0 / Q5_1 tensors keep their codes and f16 factors
     (format Q5: no m stored for Q5_0) instead of becoming int8, and a fused layer whose v has no such codes (Q8_0)
     stacks a Q5 part over an int8 one; the logits track the float32 dequantization and the cached entry gives them
-    bit for bit. Without VNNI every one of them is int8."""
+    bit for bit."""
     from specdec import kernels
 
     mix = {"blk.1.attn_q.weight": "Q5_1", "blk.1.attn_k.weight": "Q5_1", "blk.1.attn_v.weight": "Q8_0",
            "blk.1.ffn_*": "Q5_1", "token_embd.weight": "Q8_0"}
     path = write_gguf("llama", tmp_path / "m.gguf", qtype="Q5_0", seed=6, tied=False, tensor_qtypes=mix)
     auto, ref = load(path, ctx=64, cache=False), load(path, ctx=64, quant="none", dtype="f32", cache=False)
-    vnni = kernels.matmul_isa() == "AVX-512 VNNI"
-    assert ("q5 x" in auto.model.weight_format) == vnni, auto.model.weight_format
+    if kernels.matmul_isa() is None:
+        pytest.skip("no matmul kernel on this CPU")
+    assert "q5 x" in auto.model.weight_format, auto.model.weight_format
     l0, l1 = auto.model.layers
-    if vnni:
-        assert l0.wqkv.bits == l0.w13.bits == kernels.Q5 and l0.wqkv.zeros is None  # Q5_0: m = -16 d, not stored
-        assert l1.w13.bits == kernels.Q5 and l1.w13.zeros is not None  # Q5_1's own m
-        assert type(l1.wqkv).__name__ == "StackedLinear" and [p.bits for p in l1.wqkv.parts] == [kernels.Q5, 8]
-    else:
-        assert l0.wqkv.bits == l1.w13.bits == 8
+    assert l0.wqkv.bits == l0.w13.bits == kernels.Q5 and l0.wqkv.zeros is None  # Q5_0: m = -16 d, not stored
+    assert l1.w13.bits == kernels.Q5 and l1.w13.zeros is not None  # Q5_1's own m
+    assert type(l1.wqkv).__name__ == "StackedLinear" and [p.bits for p in l1.wqkv.parts] == [kernels.Q5, 8]
     a, r = logits(auto)[0].float(), logits(ref)[0]
     assert (a - r).abs().max() <= 0.05 * r.abs().max(), (a - r).abs().max()
     assert torch.equal(logits(load(path, ctx=64)), logits(auto))  # the first load, converted and cached
     assert torch.equal(logits(load(path, ctx=64)), logits(auto))  # the cached entry
+
+
+def test_entries_are_per_kernel_instruction_set(cache, tmp_path, monkeypatch):
+    """A layout made for the AVX-512 kernel holds formats the AVX2 build does not run (Q6K): loading the same file
+    where the kernel is the AVX2 one (the host changed under a kept cache directory) uses an entry of its own instead
+    of mapping that one (which failed with "kernel shapes" at the first forward)."""
+    from specdec import kernels
+
+    path = write_gguf("llama", tmp_path / "m.gguf", qtype="Q4_0", seed=7)
+    load(path, ctx=64)
+    isa = kernels.matmul_isa()
+    other = "AVX2" if isa == "AVX-512 VNNI" else "AVX-512 VNNI"
+    monkeypatch.setattr(kernels, "matmul_isa", lambda: other)
+    second = load(path, ctx=64)
+    assert second.load_kind.startswith("first load") and len(entries(cache)) == 2
 
 
 def test_entries_of_an_older_layout_version_are_pruned(cache, tmp_path, monkeypatch):

@@ -40,11 +40,11 @@
    with 32 sum_h(qx) per row and half from the activations' quantization. Scales per block and super-block of 8
    groups (KSUPER6 bytes): f16 d [16], then sc [8 groups][2 halves][16] int8.
 
-   Q5_K (bits = Q5K; the AVX-512 path only): Q4_K's layout and scales with each code's fifth bit (q in 0..31) in a
-   64-byte vector after the group's nibbles (WGROUP5 bytes a group), byte j's bit i that of byte j of instruction i:
-   GGUF Q5_K as it is, 5.625 bits a weight instead of int8's 8.
+   Q5_K (bits = Q5K): Q4_K's layout and scales with each code's fifth bit (q in 0..31) in a 64-byte vector after the
+   group's nibbles (WGROUP5 bytes a group), byte j's bit i that of byte j of instruction i: GGUF Q5_K as it is, 5.625
+   bits a weight instead of int8's 8.
 
-   Q5_0 / Q5_1 (bits = Q5; the AVX-512 path only): Q5_K's codes (nibbles and fifth-bit vector, WGROUP5 bytes a group)
+   Q5_0 / Q5_1 (bits = Q5): Q5_K's codes (nibbles and fifth-bit vector, WGROUP5 bytes a group)
    with the file's own f16 factors per group of 32 instead of bf16 ones: s holds d [G][16] and z m [G][16] (Q5_1:
    w = d q + m) or nothing (Q5_0: w = d (q - 16), so m = -16 d); m is the minimum factor itself. 5.5 bits a weight
    (Q5_0) or 6 (Q5_1) instead of int8's 8.
@@ -649,8 +649,17 @@ static inline __m256 kq_factor8(const uint16_t *m, int g, int which, int h) {
     return _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)));
 }
 
-/* min_scale of the AVX-512 path for half h (sg: the group's scale; unused with Q4_K scales, kq) */
+static inline __m256 load_f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* group_scale of the AVX-512 path, half h */
+static inline __m256 group_scale8(const uint16_t *s, int g, const int kq, int h) {
+    const uint16_t *at = s + (long)g * LANES + 8 * h;
+    return kq == 3 ? load_f16x8(at) : kq ? kq_factor8(s, g, 0, h) : load_bf16x8(at);
+}
+
+/* group_min of the AVX-512 path for half h (sg: the group's scale; unused with Q4_K scales, kq 1 and 2) */
 static inline __m256 min_scale8(__m256 sg, const uint16_t *s, const uint16_t *z, const int kq, int g, int h) {
+    if (kq == 3) return z ? load_f16x8(z + (long)g * LANES + 8 * h) : _mm256_mul_ps(_mm256_set1_ps(-16.0f), sg);
     if (kq) return kq_factor8(s, g, 1, h);
     return z ? _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sg, load_bf16x8(z + (long)g * LANES + 8 * h))
              : _mm256_mul_ps(_mm256_set1_ps(-8.0f), sg);
@@ -664,21 +673,24 @@ static inline __m256 min_scale8(__m256 sg, const uint16_t *s, const uint16_t *z,
    from memory in the first and from L2 in the second, with the memory bus idle meanwhile (on Zen 2, 8B-shaped
    products at T = 1 17-20 -> 22-26 GB/s, docs/results/avx2-onepass-1206.txt). Inlined with nt a constant
    (block_int4 below): with nt known the row loops unroll and the accumulators stay in registers; with nt a variable
-   GCC 12 kept them on the stack (a load and a store around every add) and branched on nt in the inner loop. */
+   GCC 12 kept them on the stack (a load and a store around every add) and branched on nt in the inner loop.
+   5-bit codes (kq 2, 3: Q5_K, Q5_0 / Q5_1): each code's fifth bit or-ed in from the group's bit vector (see the
+   header), and the s16 pair sums widened to s32 at every step (VPMADDWD by ones): 16 products of codes up to 31 could
+   overflow an s16 lane, 4 cannot. */
 static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w, const uint16_t *s, const uint16_t *z,
                                                                const int kq, int G, const int8_t *qx, const float *d,
                                                                const float *ds, int K, int t0, const int nt,
                                                                float *acc_out) {
-    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
     __m256 y[2][ROWS4], ym[2][ROWS4];
     for (int h = 0; h < 2; h++)
         for (int r = 0; r < ROWS4; r++) y[h][r] = ym[h][r] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        const uint8_t *wg = w + (long)g * 256;
+        const uint8_t *wg = w + (long)g * (kq >= 2 ? WGROUP5 : 256);
 #if PREFETCH
-        for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wg + PREFETCH + 64 * j), _MM_HINT_T0);
+        for (int j = 0; j < (kq >= 2 ? 5 : 4); j++) _mm_prefetch((const char *)(wg + PREFETCH + 64 * j), _MM_HINT_T0);
 #endif
-        __m256i a[2][ROWS4];
+        __m256i a[2][ROWS4]; /* s16 pair sums (s32 for 5-bit codes) */
         for (int h = 0; h < 2; h++)
             for (int r = 0; r < ROWS4; r++) a[h][r] = _mm256_setzero_si256();
         _Pragma("GCC unroll 1") /* unrolled, GCC 12 hoisted the 4 steps' loads and spilled: ~1.2x slower */
@@ -686,16 +698,25 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
             for (int h = 0; h < 2; h++) {
                 __m256i p = _mm256_loadu_si256((const __m256i *)(wg + 64 * j + 32 * h));
                 __m256i u0 = _mm256_and_si256(p, lo), u1 = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo);
+                if (kq >= 2) { /* instruction i's fifth bits at bit i of the bit vector, moved to bit 4 */
+                    __m256i b = _mm256_loadu_si256((const __m256i *)(wg + 256 + 32 * h));
+                    if (j < 2) b = _mm256_slli_epi16(b, 4); /* instructions 0-3 from b << 4, 4-7 from b */
+                    const int i0 = j < 2 ? 2 * j : 2 * j - 4; /* where instruction 2j's bit is in b */
+                    u0 = _mm256_or_si256(u0, _mm256_and_si256(_mm256_srl_epi16(b, _mm_cvtsi32_si128(i0)), bit4));
+                    u1 = _mm256_or_si256(u1, _mm256_and_si256(_mm256_srl_epi16(b, _mm_cvtsi32_si128(i0 + 1)), bit4));
+                }
                 for (int r = 0; r < nt; r++) {
                     const int8_t *q = qx + (long)(t0 + r) * K + (long)g * GROUP + 8 * j;
-                    a[h][r] = _mm256_add_epi16(a[h][r], _mm256_add_epi16(_mm256_maddubs_epi16(u0, bcast4(q)),
-                                                                         _mm256_maddubs_epi16(u1, bcast4(q + 4))));
+                    __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, bcast4(q)),
+                                                     _mm256_maddubs_epi16(u1, bcast4(q + 4)));
+                    a[h][r] = kq >= 2 ? _mm256_add_epi32(a[h][r], _mm256_madd_epi16(pairs, ones))
+                                      : _mm256_add_epi16(a[h][r], pairs);
                 }
             }
         for (int h = 0; h < 2; h++) {
-            __m256 sg = kq ? kq_factor8(s, g, 0, h) : load_bf16x8(s + (long)g * LANES + 8 * h);
+            __m256 sg = group_scale8(s, g, kq, h);
             for (int r = 0; r < nt; r++) {
-                __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[h][r], ones));
+                __m256 dot = _mm256_cvtepi32_ps(kq >= 2 ? a[h][r] : _mm256_madd_epi16(a[h][r], ones));
                 y[h][r] = _mm256_fmadd_ps(_mm256_mul_ps(sg, _mm256_set1_ps(d[(long)(t0 + r) * G + g])), dot, y[h][r]);
             }
             if (nt <= YM_FUSED_MAX) { /* few rows: the minimum term's chain in this loop, its zeros read once */
@@ -707,7 +728,8 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
     }
     for (int g = 0; g < (nt <= YM_FUSED_MAX ? 0 : G); g++) /* more rows: the minimum term in a pass of its own */
         for (int h = 0; h < 2; h++) {
-            __m256 mg = min_scale8(kq ? _mm256_setzero_ps() : load_bf16x8(s + (long)g * LANES + 8 * h), s, z, kq, g, h);
+            __m256 sg = kq == 1 || kq == 2 ? _mm256_setzero_ps() : group_scale8(s, g, kq, h);
+            __m256 mg = min_scale8(sg, s, z, kq, g, h);
             for (int r = 0; r < nt; r++)
                 ym[h][r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(ds[(long)(t0 + r) * G + g]), ym[h][r]);
         }
@@ -1050,8 +1072,8 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
 
 /* Whether bits names a weight format the kernel takes for K inputs (Q4_K's scales come in super-blocks of 256) */
 static int format_ok(int bits, int K) {
-    return bits == 4 || bits == 8 || (bits == Q5 && HAVE_VNNI) ||
-           ((bits == Q4K || ((bits == Q5K || bits == Q6K) && HAVE_VNNI)) && K % (KGROUPS * GROUP) == 0);
+    return bits == 4 || bits == 8 || bits == Q5 ||
+           ((bits == Q4K || bits == Q5K || (bits == Q6K && HAVE_VNNI)) && K % (KGROUPS * GROUP) == 0);
 }
 
 /* Whether s is a STACK table of parts in formats the kernel takes for K inputs, their blocks adding up to N rows */

@@ -37,8 +37,8 @@ import torch
 
 from ..cache import anonymous_memory
 
-LAYOUT_VERSION = 8  # 2: Q4_0 keeps no zeros; 3: 5-bit formats become int8; 4: Q4_K scales; 5: Q6_K; 6: stacks; 7: Q5_K;
-                    # 8: Q5_0 / Q5_1
+LAYOUT_VERSION = 9  # 2: Q4_0 keeps no zeros; 3: 5-bit formats become int8; 4: Q4_K scales; 5: Q6_K; 6: stacks; 7: Q5_K;
+                    # 8: Q5_0 / Q5_1; 9: 5-bit formats on AVX2 too, the kernel's instruction set in the key
 ALIGN = 64
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8",
            torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
@@ -272,12 +272,15 @@ def note(msg: str) -> None:
 
 def layout_settings(dtype: str, quant: str, device: torch.device) -> dict:
     """What shapes the in-memory layout besides the source (dtype and quant as asked, e.g. "auto": the file and
-    these settings decide what they resolve to): a change in any of these needs another entry."""
+    these settings decide what they resolve to): a change in any of these needs another entry. The kernel's
+    instruction set is one: the AVX-512 build keeps formats the AVX2 one does not run (Q6K), and a cache directory
+    can outlive its host (a VM moved to another CPU) or be shared between machines."""
     from .. import kernels
     from ..quant import has_int4_kernel
 
     return {"version": LAYOUT_VERSION, "dtype": str(dtype), "quant": quant, "device": device.type,
             "matmul_kernel": device.type == "cpu" and kernels.matmul_lib() is not None,
+            "matmul_isa": kernels.matmul_isa() if device.type == "cpu" else None,
             "int4_fallback": has_int4_kernel(), "torch": torch.__version__.split("+")[0]}
 
 
