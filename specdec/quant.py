@@ -11,7 +11,7 @@ a slow path (see MACHINE-FACTS.md), so those layers cast their input to bf16 and
 - int4: asymmetric, one (scale, zero) per group of 32 input columns, like GGUF's Q4_1: w = (q - 8) * scale + zero;
   a GGUF Q4_K tensor keeps its own two-level scales instead (format kernels.Q4K: exact, 4.625 bits a weight, not 5).
 - Q6_K / Q5_K / Q5_0 / Q5_1: a GGUF tensor in one of these as it is (formats kernels.Q6K / Q5K / Q5: 6.5625 /
-  5.625 / 5.5 / 6 bits a weight, not int8's 8), where the kernel has them (Q6K: AVX-512 VNNI only).
+  5.625 / 5.5 / 6 bits a weight, not int8's 8), where the kernel runs (AVX-512 VNNI or AVX2).
 """
 
 from __future__ import annotations
@@ -284,12 +284,9 @@ class Int6Linear(_Native):
     @staticmethod
     def supported(codes: Q6Codes | Q5Codes | Q501Codes) -> bool:
         """Whether matmul.c takes this tensor as Q6K / Q5K / Q5: whole blocks of 16 rows, on the CPU, with the
-        kernel (Q6K: AVX-512 VNNI only; the AVX2 path has no Q6K, so Q6_K tensors become int8 there)."""
-        from .weights import Q6Codes
-
+        kernel (AVX-512 VNNI or AVX2)."""
         q = codes[0]
-        isa = ("AVX-512 VNNI",) if isinstance(codes, Q6Codes) else ("AVX-512 VNNI", "AVX2")
-        return kernels.matmul_isa() in isa and kernels.matmul_supports(*q.shape, q.device)
+        return kernels.matmul_supports(*q.shape, q.device)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         blk, lane = ids // kernels.LANES, ids % kernels.LANES

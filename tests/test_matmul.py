@@ -254,13 +254,11 @@ def test_q6k_q5k_codes_are_used_as_they_are(qtype, dtype):
     256: 6.5625 bits a weight; Q5K: 5-bit codes with Q4_K's scales: 5.625 bits; Q5: 5-bit codes with f16 d, and m for
     Q5_1, per 32: 5.5 / 6 bits; int8 takes 8): the kernel computes the header's sums (against float64 with gguf-py's
     weights, to f32 rounding), rows() gives gguf-py's weights bit for bit, rows are batch-invariant, and the loader's
-    path (make_linear under "auto") takes it; under "int8" it is requantized as asked. The AVX2 path has Q5K and Q5
-    but no Q6K (make_linear gives int8 there)."""
+    path (make_linear under "auto") takes it; under "int8" it is requantized as asked. (Both kernel paths, AVX-512
+    VNNI and AVX2, have every one of these formats.)"""
     from specdec.quant import Int6Linear, make_linear
     from specdec.weights.gguf import q5_codes, q6_codes, q501_codes
 
-    if qtype == "Q6_K" and kernels.matmul_isa() != "AVX-512 VNNI":
-        pytest.skip("Q6K is the AVX-512 path's (AVX2: int8)")
     n, k = 80, 512
     qt = gguf.GGMLQuantizationType[qtype]
     legacy = lambda data: q501_codes(data, qt)  # noqa: E731
@@ -316,7 +314,7 @@ def test_stacked_parts_compute_as_each_alone():
     data[..., 208:210] = (np.abs(g.standard_normal((32, k // 256, 1))) * 0.001).astype(np.float16).view(np.uint8)
     data = data.reshape(32, -1)
     w6 = torch.from_numpy(gguf.dequantize(data, gguf.GGMLQuantizationType.Q6_K).astype(np.float32)).reshape(32, k)
-    bottom = make_linear(lambda: w6, None, torch.bfloat16, "auto", 6.5625, q6_codes(data))  # Q6K, or int8 on AVX2
+    bottom = make_linear(lambda: w6, None, torch.bfloat16, "auto", 6.5625, q6_codes(data))  # Q6K
     stacked = StackedLinear([top, bottom])
     assert stacked.out_features == 96 and stacked.tensors() == top.tensors() + bottom.tensors()
     x = (torch.randn(10, k, generator=torch.Generator().manual_seed(13)) * 2).bfloat16()

@@ -2,11 +2,12 @@
 int8 (layout version 3, "v3"), Q4_K with its own scales (format Q4K, version 4, "q4k"), Q6_K kept as it is too
 (format Q6K, version 5, "q4k+q6k"), a fused layer of both formats stacked instead of int8 (version 6, "stacked"),
 Q5_K kept as it is (format Q5K, version 7, "q5k"), and Q5_0 / Q5_1 kept as they are, stacked with parts that become
-int8 (format Q5, version 8, "q5", the current one): the models in one process, forwards alternated
+int8 (format Q5, version 8, "q5", the current one), or that with every Q6_K tensor int8 ("q5-noq6k", what the AVX2
+kernel ran before it had Q6K): the models in one process, forwards alternated
 call by call so the host's drift hits all alike. Medians of `--repeats` forwards of a chain of T new tokens after CTX
 cached (T = 1: a decode step):
 
-    python docs/results/layout_ab.py GGUF CTX [--chains 1,4,8] [--repeats 30] [--variants v3,q4k,q4k+q6k,stacked,q5k,q5]
+    python docs/results/layout_ab.py GGUF CTX [--chains 1,4,8] [--repeats 30] [--variants v3,...,q5,q5-noq6k]
 
 The older layouts come from their cache entries when they exist (an older checkout's), else they are converted here.
 """
@@ -23,7 +24,8 @@ from specdec import weights
 from specdec.loader import load
 from specdec.weights import layout
 
-VERSIONS = {"v3": 3, "q4k": 4, "q4k+q6k": 5, "stacked": 6, "q5k": 7, "q5": layout.LAYOUT_VERSION}  # q5: 8 and 9
+VERSIONS = {"v3": 3, "q4k": 4, "q4k+q6k": 5, "stacked": 6, "q5k": 7, "q5": layout.LAYOUT_VERSION,  # q5: 8 and 9
+            "q5-noq6k": layout.LAYOUT_VERSION}
 
 
 def load_as(variant: str, path: str, ctx: int):
@@ -45,6 +47,13 @@ def load_as(variant: str, path: str, ctx: int):
             return None
         return runs(self, *names)
 
+    if variant == "q5-noq6k":  # converted in memory, not cached (its entry's key would be q5's)
+        weights.LazyWeights.codes = lambda self, *names: None if isinstance(c := codes(self, *names),
+                                                                            weights.Q6Codes) else c
+        try:
+            return load(path, ctx=ctx, cache=False).model
+        finally:
+            weights.LazyWeights.codes = codes
     if variant != "q5":
         weights.LazyWeights.codes, layout.LAYOUT_VERSION = older, VERSIONS[variant]
         weights.LazyWeights.code_runs = older_runs

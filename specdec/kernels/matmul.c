@@ -29,7 +29,7 @@
    hold f16 d [16] and -dmin [16] (one per row), then the scale codes sc [8][16] and minimum codes mn [8][16], a byte
    each; group g's scale is d sc and its minimum factor (m above) -dmin mn, both exact products.
 
-   Q6_K (bits = Q6K; the AVX-512 path only): GGUF Q6_K as it is, 6.5625 bits a weight instead of int8's 8: 6-bit
+   Q6_K (bits = Q6K): GGUF Q6_K as it is, 6.5625 bits a weight instead of int8's 8: 6-bit
    codes q (0..63) with w = d sc (q - 32), an int8 scale sc per 16 inputs and an f16 d per 256 and row. Per block and
    group WGROUP6 bytes: the codes' low nibbles as int4's (256), then their high bit pairs in two 64-byte vectors,
    vector v's byte j holding in bits 2k, 2k + 1 those of byte j of instruction 4v + k. Instructions 0-3 cover the
@@ -738,6 +738,64 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
             _mm256_storeu_ps(acc_out + r * LANES + 8 * h, _mm256_add_ps(y[h][r], ym[h][r]));
 }
 
+/* block_int6 of the AVX-512 path (see there) for rows [t0, t0 + nt), nt <= ROWS4: per group and half of the block
+   (8 lanes) its code vectors (low nibbles | high pairs << 4), each half-group's chain (instructions 0-3, 4-7) started
+   at -32 sum_h(qx) and fed the s32 sums of VPMADDUBSW pairs (codes up to 63: two instructions' pair sums fit an s16
+   lane, 2 x 2 x 63 x 127 = 32004), then the same float operations as there. Inlined with nt a constant. */
+static inline __attribute__((always_inline)) void block_int6_n(const uint8_t *w, const uint16_t *s, int G,
+                                                               const int8_t *qx, const float *d, const int32_t *h32,
+                                                               int K, int t0, const int nt, float *acc_out) {
+    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), pair = _mm256_set1_epi8(0x30);
+    __m256 y[2][ROWS4];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < ROWS4; r++) y[h][r] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *wg = w + (long)g * WGROUP6;
+#if PREFETCH
+        for (int j = 0; j < 6; j++) _mm_prefetch((const char *)(wg + PREFETCH * 3 / 2 + 64 * j), _MM_HINT_T0);
+#endif
+        const uint8_t *sb = (const uint8_t *)s + (long)(g / KGROUPS) * KSUPER6;
+        const uint8_t *sc = sb + 32 + 2 * LANES * (g % KGROUPS);
+        __m256i a[2][ROWS4];
+        __m256 part[2][ROWS4]; /* s0 x the first half-group's dot product, per row */
+        _Pragma("GCC unroll 1") /* as block_int4_n */
+        for (int j = 0; j < 4; j++)
+            for (int h = 0; h < 2; h++) {
+                __m256i p = _mm256_loadu_si256((const __m256i *)(wg + 64 * j + 32 * h));
+                /* instructions 2j, 2j + 1: their high pairs in vector j / 2 at bits 2k, 2k + 1 (k = 2j % 4, then
+                   k + 1), moved to bits 4, 5 */
+                __m256i hp = _mm256_loadu_si256((const __m256i *)(wg + 256 + 64 * (j / 2) + 32 * h));
+                if (j % 2 == 0) hp = _mm256_slli_epi16(hp, 4);
+                __m256i u0 = _mm256_or_si256(_mm256_and_si256(p, lo), _mm256_and_si256(hp, pair));
+                __m256i u1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), lo),
+                                             _mm256_and_si256(_mm256_srli_epi16(hp, 2), pair));
+                for (int r = 0; r < nt; r++) {
+                    const int8_t *q = qx + (long)(t0 + r) * K + (long)g * GROUP + 8 * j;
+                    if (j % 2 == 0) /* a half-group's chain starts at -32 sum_h(qx) */
+                        a[h][r] = _mm256_set1_epi32(-h32[((long)(t0 + r) * G + g) * 2 + j / 2]);
+                    __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, bcast4(q)),
+                                                     _mm256_maddubs_epi16(u1, bcast4(q + 4)));
+                    a[h][r] = _mm256_add_epi32(a[h][r], _mm256_madd_epi16(pairs, ones));
+                }
+                if (j % 2 == 1) {
+                    __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16 * h)));
+                    __m128i c = _mm_loadl_epi64((const __m128i *)(sc + LANES * (j / 2) + 8 * h));
+                    __m256 sh = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
+                    for (int r = 0; r < nt; r++) {
+                        __m256 dot = _mm256_cvtepi32_ps(a[h][r]);
+                        if (j == 1)
+                            part[h][r] = _mm256_mul_ps(sh, dot);
+                        else
+                            y[h][r] = _mm256_fmadd_ps(_mm256_set1_ps(d[(long)(t0 + r) * G + g]),
+                                                      _mm256_fmadd_ps(sh, dot, part[h][r]), y[h][r]);
+                    }
+                }
+            }
+    }
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < nt; r++) _mm256_storeu_ps(acc_out + r * LANES + 8 * h, y[h][r]);
+}
+
 /* block_int8 of the AVX-512 path for rows [t0, t0 + nt), nt <= ROWS8, with the integer dot product of the unsigned
    codes u = q + 128 taken as sum(q qx) + 128 sum(qx) (the codes' sum: quantize_rows): VPMADDUBSW multiplies the
    magnitudes |q| (u8, at most 128) by the activation codes with q's sign (VPSIGNB; at most 127 in magnitude), so each
@@ -826,14 +884,12 @@ static void block_int8(const uint8_t *w, const uint16_t *s, int G, const int8_t 
 #undef CALL8
 }
 
-#if HAVE_VNNI
 static void block_int6(const uint8_t *w, const uint16_t *s, int G, const int8_t *qx, const float *d,
                        const int32_t *h32, int K, int t0, int nt, float *acc_out) {
 #define CALL6(n) block_int6_n(w, s, G, qx, d, h32, K, t0, (n) < ROWS4 ? (n) : ROWS4, acc_out)
     ROW_CASES(CALL6)
 #undef CALL6
 }
-#endif
 
 #endif
 
@@ -1054,13 +1110,11 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
     int rows = int4 || int6 ? ROWS4 : ROWS8, left = T - t_amx, passes = (left + rows - 1) / rows;
     for (int p = 0, t0 = t_amx; p < passes; p++) {
         int nt = left / passes + (p < left % passes);
-#if HAVE_VNNI
         if (int6) {
             block_int6(w + b * wblock, s + b * sblock, G, qx, d, x->h32, K, t0, nt, acc + t0 * LANES);
             t0 += nt;
             continue;
         }
-#endif
         if (int4)
             block_int4(w + b * wblock, s + b * sblock, z ? z + b * G * LANES : NULL, kq, G, qx, d, ds, K, t0, nt,
                        acc + t0 * LANES);
@@ -1073,7 +1127,7 @@ static void block_all(const uint8_t *w, const uint16_t *s, const uint16_t *z, in
 /* Whether bits names a weight format the kernel takes for K inputs (Q4_K's scales come in super-blocks of 256) */
 static int format_ok(int bits, int K) {
     return bits == 4 || bits == 8 || bits == Q5 ||
-           ((bits == Q4K || bits == Q5K || (bits == Q6K && HAVE_VNNI)) && K % (KGROUPS * GROUP) == 0);
+           ((bits == Q4K || bits == Q5K || bits == Q6K) && K % (KGROUPS * GROUP) == 0);
 }
 
 /* Whether s is a STACK table of parts in formats the kernel takes for K inputs, their blocks adding up to N rows */
