@@ -24,7 +24,7 @@ from specdec import weights
 from specdec.loader import load
 from specdec.weights import layout
 
-VERSIONS = {"v3": 3, "q4k": 4, "q4k+q6k": 5, "stacked": 6, "q5k": 7, "q5": layout.LAYOUT_VERSION,  # q5: 8 and 9
+VERSIONS = {"v3": 3, "q4k": 4, "q4k+q6k": 5, "stacked": 6, "q5k": 7, "q5": layout.LAYOUT_VERSION,  # q5: 8 to 10
             "q5-noq6k": layout.LAYOUT_VERSION}
 
 

@@ -37,8 +37,9 @@ import torch
 
 from ..cache import anonymous_memory
 
-LAYOUT_VERSION = 9  # 2: Q4_0 keeps no zeros; 3: 5-bit formats become int8; 4: Q4_K scales; 5: Q6_K; 6: stacks; 7: Q5_K;
-                    # 8: Q5_0 / Q5_1; 9: 5-bit formats on AVX2 too, the kernel's instruction set in the key
+# 2: Q4_0 keeps no zeros; 3: 5-bit formats become int8; 4: Q4_K scales; 5: Q6_K; 6: stacks; 7: Q5_K; 8: Q5_0 / Q5_1;
+# 9: 5-bit formats on AVX2 too, the kernel's instruction set in the key; 10: Q6_K on AVX2 too
+LAYOUT_VERSION = 10
 ALIGN = 64
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8",
            torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
