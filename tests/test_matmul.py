@@ -454,3 +454,59 @@ def test_int8_extreme_codes_are_exact(T):
     dot = torch.einsum("tgj,ngj->tng", qx, q.double().reshape(n, -1, 32))
     ref = (d[:, None, :, 0] * dot).sum(-1) * scale.double()[None]
     torch.testing.assert_close(y.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
+def _every_format_outputs() -> dict[str, torch.Tensor]:
+    """Outputs of one layer per weight format (int4, int8, Q4K, Q5K, Q5_0, Q5_1, Q6K; random GGUF blocks, fixed
+    seeds) for 1, 3, 4, 7 and 13 rows of f32 and bf16 activations: what test_avx2_path_is_the_avx512_path compares
+    between two builds of the kernel."""
+    from specdec.quant import make_linear
+    from specdec.weights.gguf import own_codes
+
+    g = np.random.default_rng(21)
+    n, k = 48, 512
+    layers = {"int4": Int4Linear(weights(n, k, 1), None), "int8": Int8Linear(weights(n, k, 2), None)}
+    for qtype, size, per, f16_at in (("Q4_K", 144, 256, (0, 2)), ("Q5_K", 176, 256, (0, 2)), ("Q5_0", 22, 32, (0,)),
+                                     ("Q5_1", 24, 32, (0, 2)), ("Q6_K", 210, 256, (208,))):
+        data = g.integers(0, 256, (n, k // per, size), dtype=np.uint8)
+        for a in f16_at:
+            data[..., a:a + 2] = (g.standard_normal((n, k // per, 1)) * 0.001).astype(np.float16).view(np.uint8)
+        codes = own_codes(data.reshape(n, -1), gguf.GGMLQuantizationType[qtype])
+        layers[qtype] = make_linear(lambda: None, None, torch.bfloat16, "int4" if qtype == "Q4_K" else "auto",
+                                    8.0 * size / per, codes)
+    out = {}
+    for name, lin in layers.items():
+        for T in (1, 3, 4, 7, 13):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(T, k, generator=torch.Generator().manual_seed(T)) * 2).to(dtype)
+                out[f"{name} T={T} {dtype}"] = lin(x)
+    return out
+
+
+@pytest.mark.skipif(kernels.matmul_isa() != "AVX-512 VNNI", reason="needs a CPU that runs both kernel paths")
+def test_avx2_path_is_the_avx512_path(tmp_path):
+    """Both kernel paths compute the same integers and the same float operations (matmul.c's header): the AVX2 build
+    (compiled here with -march=haswell, in a subprocess) gives bitwise the AVX-512 build's outputs for every weight
+    format, at row counts on both sides of each path's pass sizes and fused-minimum limits."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        pytest.skip("no C compiler")
+    wrapper = tmp_path / "cc-avx2"
+    wrapper.write_text(f'#!/bin/sh\nexec {cc} "$@" -march=haswell\n')
+    wrapper.chmod(0o755)
+    here = Path(__file__).parent
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from specdec import kernels; "
+            "assert kernels.matmul_isa() == 'AVX2', kernels.matmul_isa(); "
+            "from test_matmul import _every_format_outputs; torch.save(_every_format_outputs(), sys.argv[2])")
+    out = tmp_path / "avx2.pt"
+    subprocess.run([sys.executable, "-c", code, str(here), str(out)], check=True, timeout=600,
+                   env={**os.environ, "CC": str(wrapper)})
+    theirs, ours = torch.load(out), _every_format_outputs()
+    assert theirs.keys() == ours.keys()
+    assert [key for key in ours if not torch.equal(ours[key], theirs[key])] == []

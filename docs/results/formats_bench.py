@@ -1,7 +1,7 @@
 """One 4096 x 14336 matrix (Llama-3.1-8B's ffn_down) in each weight format matmul.c takes for K-quant files,
-random codes, timed alternately at T = 1, 2, 4, 8, 9 rows (medians of 15): Q6_K kept as it is (q6k), requantized
+random codes, timed alternately at T = 1, 2, 4, 8, 9 rows (medians of 25): Q6_K kept as it is (q6k), requantized
 to int8, Q4_K with its own scales (q4k), Q5_K (q5k) and Q5_0 (q5) kept as they are; GB/s = the format's bytes over
-the time.
+the time. `CC=<a gcc wrapper adding -march=znver2> python docs/results/formats_bench.py` times the AVX2 path.
 
     python docs/results/formats_bench.py
 """
@@ -30,13 +30,10 @@ def main() -> None:
     d5[..., 0:4] = (np.abs(g.standard_normal((n, k // 256, 2))) * 0.002).astype(np.float16).view(np.uint8)
     d50 = g.integers(0, 256, (n, k // 32, 22), dtype=np.uint8)
     d50[..., 0:2] = (np.abs(g.standard_normal((n, k // 32, 1))) * 0.002).astype(np.float16).view(np.uint8)
-    c6 = q6_codes(d6.reshape(n, -1))
-    layers = {"q6k": Int6Linear(c6, None), "int8": Int8Linear(torch.randn(n, k) * 0.02, None),
+    layers = {"q6k": Int6Linear(q6_codes(d6.reshape(n, -1)), None), "int8": Int8Linear(torch.randn(n, k) * 0.02, None),
               "q4k": Int4Linear.from_codes(int4_codes(d4.reshape(n, -1), gguf.GGMLQuantizationType.Q4_K), None),
               "q5k": Int6Linear(q5_codes(d5.reshape(n, -1)), None),
               "q5": Int6Linear(q501_codes(d50.reshape(n, -1), gguf.GGMLQuantizationType.Q5_0), None)}
-    if not Int6Linear.supported(c6):  # (the AVX2 path has no Q6K: CC=... with an AVX2 -march to time that path)
-        del layers["q6k"]
     nbytes = {name: sum(t.numel() * t.element_size() for t in lin.tensors()) for name, lin in layers.items()}
     for T in (1, 2, 4, 8, 9):
         x = torch.randn(T, k).bfloat16()

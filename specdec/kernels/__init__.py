@@ -290,7 +290,6 @@ def forward_lib() -> ctypes.CDLL | None:
 LANES, GROUP = 16, 32  # output rows per block, inputs per quantization group (matmul.c)
 Q4K, KGROUPS = 20, 8  # matmul.c's format code for int4 codes with Q4_K's scales; groups per Q4_K super-block
 Q6K, Q5K, Q5 = 22, 21, 23  # matmul.c's format codes for Q6_K's, Q5_K's and Q5_0's / Q5_1's codes and scales
-                           # (AVX-512 VNNI only)
 STACK = 30  # matmul.c's format code for a weight whose blocks of rows are parts in different formats
 
 

@@ -29,11 +29,11 @@
    hold f16 d [16] and -dmin [16] (one per row), then the scale codes sc [8][16] and minimum codes mn [8][16], a byte
    each; group g's scale is d sc and its minimum factor (m above) -dmin mn, both exact products.
 
-   Q6_K (bits = Q6K): GGUF Q6_K as it is, 6.5625 bits a weight instead of int8's 8: 6-bit
-   codes q (0..63) with w = d sc (q - 32), an int8 scale sc per 16 inputs and an f16 d per 256 and row. Per block and
-   group WGROUP6 bytes: the codes' low nibbles as int4's (256), then their high bit pairs in two 64-byte vectors,
-   vector v's byte j holding in bits 2k, 2k + 1 those of byte j of instruction 4v + k. Instructions 0-3 cover the
-   group's first 16 inputs and 4-7 its last 16, so each half's dot product is a chain of its own:
+   Q6_K (bits = Q6K): GGUF Q6_K as it is, 6.5625 bits a weight instead of int8's 8: 6-bit codes q (0..63) with
+   w = d sc (q - 32), an int8 scale sc per 16 inputs and an f16 d per 256 and row. Per block and group WGROUP6 bytes:
+   the codes' low nibbles as int4's (256), then their high bit pairs in two 64-byte vectors, vector v's byte j
+   holding in bits 2k, 2k + 1 those of byte j of instruction 4v + k. Instructions 0-3 cover the group's first 16
+   inputs and 4-7 its last 16, so each half's dot product is a chain of its own:
 
      y[t, n] = sum_g d[t, g] sum_h (d sc_h) (dot_h - 32 sum_h(qx))                                            (Q6K)
 
@@ -44,10 +44,12 @@
    group's nibbles (WGROUP5 bytes a group), byte j's bit i that of byte j of instruction i: GGUF Q5_K as it is, 5.625
    bits a weight instead of int8's 8.
 
-   Q5_0 / Q5_1 (bits = Q5): Q5_K's codes (nibbles and fifth-bit vector, WGROUP5 bytes a group)
-   with the file's own f16 factors per group of 32 instead of bf16 ones: s holds d [G][16] and z m [G][16] (Q5_1:
-   w = d q + m) or nothing (Q5_0: w = d (q - 16), so m = -16 d); m is the minimum factor itself. 5.5 bits a weight
-   (Q5_0) or 6 (Q5_1) instead of int8's 8.
+   Q5_0 / Q5_1 (bits = Q5): Q5_K's codes (nibbles and fifth-bit vector, WGROUP5 bytes a group) with the file's own
+   f16 factors per group of 32 instead of bf16 ones: s holds d [G][16] and z m [G][16] (Q5_1: w = d q + m) or
+   nothing (Q5_0: w = d (q - 16), so m = -16 d); m is the minimum factor itself. 5.5 bits a weight (Q5_0) or 6
+   (Q5_1) instead of int8's 8.
+
+   Every format runs on both paths, AVX-512 VNNI and AVX2, with the same integers and float operations.
 
    Stacked (bits = STACK): a weight whose blocks of rows are stored in different formats, e.g. a fused q|k|v of a
    Q4_K_M file whose q and k are Q4_K and v Q6_K; s is an int64 table {n, then per part: its blocks of 16 rows, bits,
@@ -728,8 +730,7 @@ static inline __attribute__((always_inline)) void block_int4_n(const uint8_t *w,
     }
     for (int g = 0; g < (nt <= YM_FUSED_MAX ? 0 : G); g++) /* more rows: the minimum term in a pass of its own */
         for (int h = 0; h < 2; h++) {
-            __m256 sg = kq == 1 || kq == 2 ? _mm256_setzero_ps() : group_scale8(s, g, kq, h);
-            __m256 mg = min_scale8(sg, s, z, kq, g, h);
+            __m256 mg = min_scale8(group_scale8(s, g, kq, h), s, z, kq, g, h);
             for (int r = 0; r < nt; r++)
                 ym[h][r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(ds[(long)(t0 + r) * G + g]), ym[h][r]);
         }

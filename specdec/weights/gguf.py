@@ -428,7 +428,7 @@ def check_model(args: ModelArgs, shapes: Mapping[str, tuple[int, ...]], where: s
 
 
 INT4_CODES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit formats whose codes our int4 layout holds as they are
-OWN_CODES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")  # formats whose codes the kernel takes as they are where it can (VNNI)
+OWN_CODES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")  # formats whose codes the kernel takes as they are (quant.Int6Linear)
 
 
 def _bytes(blocks: np.ndarray, block_bytes: int) -> torch.Tensor:
