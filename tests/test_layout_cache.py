@@ -100,7 +100,7 @@ def test_q5_0_q5_1_are_kept_as_they_are(cache, tmp_path):
     auto, ref = load(path, ctx=64, cache=False), load(path, ctx=64, quant="none", dtype="f32", cache=False)
     if kernels.matmul_isa() is None:
         pytest.skip("no matmul kernel on this CPU")
-    assert "q5 x" in auto.model.weight_format, auto.model.weight_format
+    assert "q5_0 x" in auto.model.weight_format and "q5_1 x" in auto.model.weight_format, auto.model.weight_format
     l0, l1 = auto.model.layers
     assert l0.wqkv.bits == l0.w13.bits == kernels.Q5 and l0.wqkv.zeros is None  # Q5_0: m = -16 d, not stored
     assert l1.w13.bits == kernels.Q5 and l1.w13.zeros is not None  # Q5_1's own m

@@ -433,9 +433,14 @@ class Transformer:
         lins = [lin for layer in self.layers for lin in layer.linears()] + [self.output]
         lins += [lin for layer in self.layers if layer.moe for pair in layer.moe.experts for lin in pair]
         lins = [p for lin in lins for p in getattr(lin, "parts", [lin])]  # a StackedLinear's parts
-        own = {kernels.Q4K: "q4_k", kernels.Q5K: "q5_k", kernels.Q6K: "q6_k", kernels.Q5: "q5"}  # GGUF's kept as is
-        counts = collections.Counter(own[lin.bits] if getattr(lin, "bits", 0) in own else names[type(lin).__name__]
-                                     for lin in lins)
+        own = {kernels.Q4K: "q4_k", kernels.Q5K: "q5_k", kernels.Q6K: "q6_k"}  # the GGUF formats kept as they are
+
+        def name(lin) -> str:
+            if getattr(lin, "bits", 0) == kernels.Q5:  # Q5_0 stores no m
+                return "q5_0" if lin.zeros is None else "q5_1"
+            return own[lin.bits] if getattr(lin, "bits", 0) in own else names[type(lin).__name__]
+
+        counts = collections.Counter(name(lin) for lin in lins)
         return ", ".join(f"{k} x{v}" for k, v in counts.most_common())
 
     @property
