@@ -232,6 +232,10 @@ def test_roofline_command_quick(tmp_path, capsys):
     assert [row["t"] for row in r["forward"]] == [1, 2, 4]
     assert r["forward"][0]["ratio"] == 1.0 and all(row["seconds"] > 0 for row in r["forward"])
     assert r["peaks"]["ridge_flop_per_byte"] > 0 and r["peaks"]["bandwidth_gb_s"]["read"] > 0
+    # the read measured "at the weights' size" says how many bytes it read: the weights', at most the arrays'
+    wset = r["peaks"]["read_bytes_at_weight_size"]
+    assert wset == min(r["model"]["weight_bytes"], 8 * 2**20) and f"read over {wset / 1e6:.0f} MB" in captured.out
+    assert "--quick: arrays this small" in captured.out
     assert {(p["proposer"], p["alpha"]) for p in r["predictions"]} == {(k, a) for k in ("ngram", "draft")
                                                                           for a in (0.5, 0.9)}
     assert r["draft_model"]["seconds_per_token"] > 0 and r["draft_model"]["c"] > 0

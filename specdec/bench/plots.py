@@ -112,7 +112,8 @@ def plot_roofline(report: dict, path: str | Path) -> None:
     cached = [r.get("bandwidth_floor_at_weight_size_s") for r in rows]
     if all(cached) and abs(cached[0] / rows[0]["bandwidth_floor_s"] - 1) > 0.1:
         ax.plot(ts, [c * 1e3 for c in cached], "--", color="C1", alpha=0.45,
-                label=f"bandwidth floor at {p['read_gb_s_at_weight_size']:.1f} GB/s (read, a weights-sized set)")
+                label=f"bandwidth floor at {p['read_gb_s_at_weight_size']:.1f} GB/s (read over "
+                      f"{p.get('read_bytes_at_weight_size', 0) / 1e6:.0f} MB, up to the weights' size)")
     ax.plot(ts, [r["compute_floor_s"] * 1e3 for r in rows], ":", color="C2", lw=2,
             label=f"compute floor: FLOPs / {p['matmul_gflop_s']:.0f} GFLOP/s ({p['matmul_dtype']} matmul)")
     for r in rows:

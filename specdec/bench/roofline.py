@@ -399,7 +399,8 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
     bw = measure_bandwidth(dev, bw_bytes, repeats=3 if quick else 7)
     wb = model.weight_bytes
     progress(f"read bandwidth over a working set the size of the weights ({wb / 1e6:.0f} MB) ...")
-    bw_model = measure_bandwidth(dev, min(wb, bw_bytes), repeats=3 if quick else 7, kinds=("read",))["read"]
+    wset = min(wb, bw_bytes)  # (capped: beyond the arrays' size the read speed is main memory's already)
+    bw_model = measure_bandwidth(dev, wset, repeats=3 if quick else 7, kinds=("read",))["read"]
     mm_n = 256 if quick else 2048
     progress(f"matmul {mm_n}x{mm_n} @ {mm_n}x{mm_n} in {_dtype_name(model.dtype)} ...")
     flops_peak = matmul_peak(model.dtype, dev, mm_n, repeats=3 if quick else 5)
@@ -460,6 +461,7 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
                                                    "seconds_per_token": draft_s, "c": c_draft},
         "peaks": {"bandwidth_gb_s": {k: bw[k] for k in ("copy", "triad", "read")},
                   "bandwidth_array_bytes": bw["array_bytes"], "read_gb_s_at_weight_size": bw_model,
+                  "read_bytes_at_weight_size": wset,
                   "matmul_gflop_s": flops_peak / 1e9, "kernel_gflop_s": kernel_rate / 1e9 if kernel_rate else None,
                   "matmul_n": mm_n, "matmul_dtype": _dtype_name(model.dtype),
                   "ridge_flop_per_byte": ridge},
@@ -550,9 +552,13 @@ def print_report(r: dict) -> None:
     print(f"model: {m['name']} ({m['file_type']}, quant {m['quant']}, {m['dtype']} activations), "
           f"{m['weight_bytes'] / 1e6:.1f} MB of weights read per forward")
     print(f"machine: {r['machine']['cpu']}, {r['settings']['threads']} threads, torch {r['machine']['torch']}")
+    wset = p.get("read_bytes_at_weight_size", m["weight_bytes"]) / 1e6
+    wset_name = "the weights' size" if wset >= m["weight_bytes"] / 1e6 else "the weights' size capped at the arrays'"
     print(f"bandwidth ({p['bandwidth_array_bytes'] / 1e6:.0f} MB arrays): copy {bw['copy']:.1f} GB/s, "
-          f"triad {bw['triad']:.1f} GB/s, read {bw['read']:.1f} GB/s; read over a working set the size of the "
-          f"weights: {p['read_gb_s_at_weight_size']:.1f} GB/s")
+          f"triad {bw['triad']:.1f} GB/s, read {bw['read']:.1f} GB/s; read over {wset:.0f} MB ({wset_name}): "
+          f"{p['read_gb_s_at_weight_size']:.1f} GB/s")
+    if r["settings"].get("quick"):
+        print("(--quick: arrays this small may stay in cache, so the bandwidth floors below can be far too low)")
     print(f"matmul {p['matmul_n']}^3 in {p['matmul_dtype']}: {p['matmul_gflop_s']:.1f} GFLOP/s; "
           f"ridge point {p['ridge_flop_per_byte']:.1f} FLOP/byte (peak FLOP/s / read GB/s)")
     if p.get("kernel_gflop_s"):
@@ -569,8 +575,8 @@ def print_report(r: dict) -> None:
     t1 = r["forward"][0]
     bound = max(t1["bandwidth_floor_s"], t1["compute_floor_s"])
     print(f"decode (T=1) takes {t1['x_roofline']:.1f}x its roofline floor ({bound * 1e3:.2f} ms; "
-          f"{t1['bandwidth_floor_at_weight_size_s'] * 1e3:.2f} ms at the read speed of a working set the size of "
-          f"the weights)" + ("; the rest is per-op overhead, not memory traffic" if t1["x_roofline"] > 2 else ""))
+          f"{t1['bandwidth_floor_at_weight_size_s'] * 1e3:.2f} ms at the read speed over {wset:.0f} MB)"
+          + ("; the rest is per-op overhead, not memory traffic" if t1["x_roofline"] > 2 else ""))
     if r.get("moe"):
         print_moe(r["moe"])
     print(f"\narithmetic intensity vs the ridge ({p['ridge_flop_per_byte']:.1f} FLOP/byte):")
