@@ -234,8 +234,7 @@ def _convert_to_entry(entry: Path, lm, torch_dtype, q, ctx, dev, progress, use_m
     try:
         _build(lm.args, weights, torch_dtype, q, ctx, dev, progress)  # a scaffold: every weight went to the writer
         info = {"version": layout.LAYOUT_VERSION, "args": dataclasses.asdict(lm.args), "dtype": str(torch_dtype),
-                "quant": q,
-                "file_type": lm.file_type, "source_bytes": weights.source_bytes, "numel": weights._numel,
+                "quant": q, "file_type": lm.file_type, "source_bytes": weights.source_bytes, "numel": weights._numel,
                 "source_bytes_total": sum(weights.source_bytes.values()), "names": list(weights),
                 "linears": weights.linears, "files": layout.cheap_identity(lm.path),
                 "identity": layout.source_identity(lm.path)}

@@ -315,8 +315,7 @@ def read_gguf(path: Path) -> LoadedModel:
     def code_loader(t, name: str, expert: int | None = None):
         def load() -> tuple[torch.Tensor, ...]:
             data = t.data if expert is None else t.data[expert]
-            qtype = GGMLQuantizationType(t.tensor_type)
-            parts = own_codes(np.asarray(data), qtype)
+            parts = own_codes(np.asarray(data), GGMLQuantizationType(t.tensor_type))
             if expert is None or expert == t.shape[-1] - 1:
                 release(t)
             return type(parts)(rope_layout(args, name, permuted(x, name)) for x in parts)

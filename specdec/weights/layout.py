@@ -274,8 +274,9 @@ def note(msg: str) -> None:
 def layout_settings(dtype: str, quant: str, device: torch.device) -> dict:
     """What shapes the in-memory layout besides the source (dtype and quant as asked, e.g. "auto": the file and
     these settings decide what they resolve to): a change in any of these needs another entry. The kernel's
-    instruction set is one: the AVX-512 build keeps formats the AVX2 one does not run (Q6K), and a cache directory
-    can outlive its host (a VM moved to another CPU) or be shared between machines."""
+    instruction set is one: the two builds have not always kept the same formats (Q6K was the AVX-512 build's alone
+    before layout version 10), and a cache directory can outlive its host (a VM moved to another CPU) or be shared
+    between machines."""
     from .. import kernels
     from ..quant import has_int4_kernel
 
