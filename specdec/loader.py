@@ -212,6 +212,7 @@ def _map_entry(entry: Path, path: Path, ctx, dev, progress, in_memory: bool = Fa
         entry.unlink(missing_ok=True)
         return None
     net.mapped = tensors  # keeps the mapping alive as long as the model (the tensors reference it too)
+    layout.mark_used(entry)
     return net, mtp, info["file_type"], info["source_bytes_total"]
 
 

@@ -142,6 +142,39 @@ def test_entries_of_an_older_layout_version_are_pruned(cache, tmp_path, monkeypa
     assert versions == [current, current, current + 1]
 
 
+def test_least_recently_used_entries_leave_a_cache_over_its_budget(cache, tmp_path, monkeypatch, capfd):
+    """Writing an entry removes the least recently used others while all entries take more than
+    SPECDEC_LAYOUT_CACHE_GB; a load marks its entry as used, so a model loaded again stays over older ones."""
+    paths = {name: write_gguf("llama", tmp_path / f"{name}.gguf", qtype="Q4_0", seed=i)
+             for i, name in enumerate("abcd")}
+    for i, name in enumerate("abc"):
+        load(paths[name], ctx=64)
+        entry = next(e for e in entries(cache) if e.name.startswith(f"{name}.gguf"))
+        os.utime(entry, (1e9 + i, 1e9 + i))  # used long ago, a before b before c
+    size = entries(cache)[0].stat().st_size
+    assert all(e.stat().st_size == size for e in entries(cache))
+    assert load(paths["a"], ctx=64).load_kind.startswith("cached")  # a is now the most recently used
+    monkeypatch.setenv("SPECDEC_LAYOUT_CACHE_GB", str(2.5 * size / 1e9))
+    capfd.readouterr()
+    load(paths["d"], ctx=64)  # a first load: 4 entries, room for 2
+    assert sorted(e.name[0] for e in entries(cache)) == ["a", "d"]
+    err = capfd.readouterr().err
+    assert err.count("to keep the layout cache under") == 2 and "b.gguf" in err and "c.gguf" in err
+
+
+@pytest.mark.parametrize("value,left", [("none", 3), ("0", 1), ("lots", 3)])
+def test_the_budget_setting(cache, tmp_path, monkeypatch, capfd, value, left):
+    """SPECDEC_LAYOUT_CACHE_GB=none bounds nothing; 0 keeps only the entry just written; a value that is not a
+    number is named in a note and the default budget (far above these entries) applies."""
+    monkeypatch.setenv("SPECDEC_LAYOUT_CACHE_GB", value)
+    for i in range(3):
+        load(write_gguf("llama", tmp_path / f"m{i}.gguf", qtype="Q4_0", seed=i), ctx=64)
+    assert [e.name[:2] for e in entries(cache)] == ["m0", "m1", "m2"][3 - left:]
+    err = capfd.readouterr().err
+    assert ("ignoring SPECDEC_LAYOUT_CACHE_GB='lots'" in err) == (value == "lots")
+    assert err.count("to keep the layout cache under") == 3 - left
+
+
 def test_entry_read_into_memory_is_a_copy(cache, tmp_path):
     """read_entry(in_memory=True): the tensors are the entry's bytes, copied (rewriting the file leaves them as they
     were) into anonymous memory."""

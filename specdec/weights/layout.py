@@ -15,6 +15,11 @@ mtime and a hash of its header and of sampled chunks of its bytes). An entry who
 does not check out (stale: the file changed; corrupt: truncated, garbled header, offsets past the end) is rebuilt,
 never trusted. Entries are written to a temporary file and renamed into place, so a crash mid-write leaves no entry.
 
+The entries together stay under a budget (SPECDEC_LAYOUT_CACHE_GB, default 20 GB): a load marks the entry it used
+(its mtime), and writing a new entry removes the least recently used others while the total is above the budget,
+as ccache bounds its cache. Entries of settings or hosts no longer used (another --quant, a VM moved to a CPU with
+other kernels) would otherwise stay forever, each a whole model's size.
+
 File format: standard safetensors (8-byte little-endian header length, JSON header, data), readable by the
 `safetensors` package. The header is reserved up front and padded with spaces (the format allows it) so that data
 can be streamed to disk while converting; tensors start on 64-byte boundaries (``__pad.N`` byte tensors fill the gaps,
@@ -290,13 +295,45 @@ def cache_enabled() -> bool:
     return os.environ.get("SPECDEC_LAYOUT_CACHE", "1") != "0"
 
 
+BUDGET_GB = 20.0  # default bound on all entries together: four 8B-sized Q4_K_M layouts
+
+
+def cache_budget() -> float | None:
+    """Bytes all entries may take together: $SPECDEC_LAYOUT_CACHE_GB (a number of GB, or "none" for no bound),
+    default BUDGET_GB. A value that is neither is ignored with a note."""
+    raw = os.environ.get("SPECDEC_LAYOUT_CACHE_GB", "").strip()
+    if raw.lower() == "none":
+        return None
+    try:
+        gb = float(raw) if raw else BUDGET_GB
+        if not gb >= 0 or gb == float("inf"):
+            raise ValueError
+    except ValueError:
+        note(f"ignoring SPECDEC_LAYOUT_CACHE_GB={raw!r} (give a number of GB, or none for no bound); keeping the "
+             f"layout cache under {BUDGET_GB:g} GB")
+        gb = BUDGET_GB
+    return gb * 1e9
+
+
+def mark_used(entry: Path) -> None:
+    """Record that a load used `entry` (its mtime: the least recently used entries go first when the cache is over
+    its budget). A read-only cache folder keeps its times."""
+    try:
+        os.utime(entry)
+    except OSError:
+        pass
+
+
 
 def prune(root: Path, keep: Path | None = None) -> int:
     """Remove entries whose model file is gone (their headers name it) and entries of an older layout version (no
     later load can use them: an upgrade would otherwise leave a whole model's worth of layout per version), so the
-    cache does not outgrow the models people still have; returns how many were removed. Unreadable entries are
-    removed too; a newer version's entries (another install sharing the folder) are kept."""
+    cache does not outgrow the models people still have; then, while all entries together take more than the budget
+    (cache_budget), the least recently used ones other than `keep` (an entry larger than the budget alone stays).
+    Returns how many were removed. Unreadable entries are removed too; a newer version's entries (another install
+    sharing the folder) are kept unless the budget needs their room."""
     removed = 0
+    kept: list[tuple[float, int, Path]] = []  # (last used, bytes, entry) of the entries that stay
     for entry in (root / "layouts").glob("*.safetensors"):
         if keep is not None and entry == keep:
             continue
@@ -311,10 +348,37 @@ def prune(root: Path, keep: Path | None = None) -> int:
         if gone:
             entry.unlink(missing_ok=True)
             removed += 1
+            continue
+        try:
+            st = entry.stat()
+            kept.append((st.st_mtime, st.st_size, entry))
+        except OSError:
+            pass
+    removed += _evict(kept, keep)
     for tmp in (root / "layouts").glob("*.tmp"):  # left by a load that was killed mid-write, over an hour ago
         try:
             if tmp.stat().st_mtime < time.time() - 3600:
                 tmp.unlink()
         except OSError:
             pass
+    return removed
+
+
+def _evict(entries: list[tuple[float, int, Path]], keep: Path | None) -> int:
+    """Remove the least recently used of `entries` ((mtime, bytes, path); `keep` not among them) while they and
+    `keep` take more than the cache budget; returns how many were removed."""
+    budget = cache_budget()
+    total = sum(size for _, size, _ in entries)
+    if keep is not None and keep.exists():
+        total += keep.stat().st_size
+    removed = 0
+    for used, size, entry in sorted(entries):
+        if budget is None or total <= budget:
+            break
+        entry.unlink(missing_ok=True)
+        total -= size
+        removed += 1
+        note(f"removed the cached layout {entry.name} ({size / 1e9:.1f} GB, last used "
+             f"{time.strftime('%Y-%m-%d', time.localtime(used))}) to keep the layout cache under {budget / 1e9:g} GB "
+             "(SPECDEC_LAYOUT_CACHE_GB)")
     return removed
