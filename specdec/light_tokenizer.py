@@ -25,8 +25,8 @@ from pathlib import Path
 from .config import ModelError, release_freed_memory
 from .tokenizer import Tokenizer, _file_key, cache_dir
 
-TABLE = "decode-table.json"
 TABLE_VERSION = 1
+TABLE = f"decode-table-v{TABLE_VERSION}.json"  # a new version writes a new file beside the old one
 SIMPLE_DECODERS = ("Replace", "ByteFallback", "Fuse")
 
 
@@ -124,7 +124,7 @@ def write_table(tok: Tokenizer) -> None:
     special = sorted(i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special)
     table = {"version": TABLE_VERSION, "tokens": tokens, "special": special, "decoder": spec,
              "bos_token": tok.bos_token, "eos_token": tok.eos_token, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
-             "eog_ids": sorted(tok.eog_ids), "chat_template": tok.chat_template}
+             "eog_ids": sorted(tok.eog_ids), "chat_template": tok.chat_template, "model_kind": tok.model_kind}
     try:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(table, ensure_ascii=False), encoding="utf-8")
@@ -144,6 +144,7 @@ class LightTokenizer(Tokenizer):
         self.bos_id, self.eos_id = table["bos_id"], table["eos_id"]
         self.eog_ids = set(table["eog_ids"])
         self.vocab_size = len(table["tokens"])
+        self.kind = table["model_kind"]
         self.decoder = VocabDecoder(table["tokens"], set(table["special"]), decoder_chain(table["decoder"]))
         self._full: Tokenizer | None = None
         self.load_s = 0.0  # seconds to read the table (cached())
@@ -167,6 +168,10 @@ class LightTokenizer(Tokenizer):
             return None
         light.load_s = time.perf_counter() - t0
         return light
+
+    @property
+    def model_kind(self) -> str:
+        return self.kind
 
     @property
     def backend(self):

@@ -257,9 +257,11 @@ def load_args(args, which: str = "model", target: Loaded | None = None, tokenize
     model's, read already (light_tokenizer.LightTokenizer)."""
     tok = tokenizer
     if target is not None:
+        from .light_tokenizer import LightTokenizer
         from .spec.draft_model import check_vocab
 
-        tok = load_tokenizer(resolve_model_path(getattr(args, which)))
+        path = resolve_model_path(getattr(args, which))
+        tok = LightTokenizer.cached(path) or load_tokenizer(path)  # a draft's tokenizer is only compared, not used
         check_vocab(target.tokenizer, tok)
     update, close = progress_bar(f"loading {which.replace('_', ' ')}")
     try:

@@ -89,6 +89,11 @@ class Tokenizer:
             elif self.backend.token_to_id("<|im_start|>") is not None:
                 self.chat_template = CHATML_TEMPLATE
 
+    @property
+    def model_kind(self) -> str:
+        """The tokenizer model's kind ("BPE", "Unigram", ...): vocabularies of different kinds never match."""
+        return type(self.backend.model).__name__
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with BOS where the tokenizer adds it (as Hugging Face's `tok(text)` does)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids

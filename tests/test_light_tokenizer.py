@@ -32,7 +32,8 @@ def pair(request, smollm2_path, gemma_path):
 def test_every_token_decodes_as_tokenizers_does(pair):
     full, light = pair
     assert light.vocab_size == full.vocab_size and light.eog_ids == full.eog_ids
-    assert (light.bos_id, light.eos_id, light.chat_template) == (full.bos_id, full.eos_id, full.chat_template)
+    assert (light.bos_id, light.eos_id, light.chat_template, light.model_kind) == (
+        full.bos_id, full.eos_id, full.chat_template, full.model_kind)
     for skip in (False, True):
         for i in range(full.vocab_size):
             assert light.decode([i], skip) == full.decode([i], skip), i

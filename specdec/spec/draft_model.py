@@ -30,7 +30,7 @@ def check_vocab(target: Tokenizer, draft: Tokenizer) -> None:
 
 
 def _compare_vocab(target: Tokenizer, draft: Tokenizer) -> None:
-    kinds = type(target.backend.model).__name__, type(draft.backend.model).__name__
+    kinds = target.model_kind, draft.model_kind
     if kinds[0] != kinds[1]:
         raise ModelError(f"draft and target tokenizers differ ({kinds[1]} vs {kinds[0]}): use a draft of the same "
                          f"model family")
