@@ -378,13 +378,14 @@ def early_prompt(args, text: str):
     """(light tokenizer, PromptEncoder) for a model whose tokenizer is cached with its decode table: the prompt is
     encoded in a helper process while this one imports torch and loads (light_tokenizer.py); else None. Runs
     before anything imports torch."""
+    from .config import ModelError
     from .paths import resolve_model_path
 
     if os.environ.get("SPECDEC_TOKENIZER_HELPER") == "0":
         return None
     try:
         path = resolve_model_path(args.model)
-    except Exception:  # the load reports it as it always does
+    except (ModelError, OSError):  # the load reports it as it always does
         return None
     from .light_tokenizer import LightTokenizer, PromptEncoder
 
@@ -399,13 +400,13 @@ def cmd_generate(args) -> int:
     import time
 
     text = read_prompt(args) if not (args.file and args.file.endswith(".jsonl")) else ""
+    if args.n_predict <= 0:
+        raise ValueError("-n must be > 0")
     early = early_prompt(args, text) if not (args.file and args.file.endswith(".jsonl")) else None
     set_threads(args)
     from .generate import generate
 
     params = sampling_params(args)
-    if args.n_predict <= 0:
-        raise ValueError("-n must be > 0")
     spec_config(args)  # flags are checked before the (slow) load
     target = load_model(args, tokenizer=early[0] if early else None)
     spec, mtp = spec_config(args, target, params)

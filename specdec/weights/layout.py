@@ -324,7 +324,6 @@ def mark_used(entry: Path) -> None:
         pass
 
 
-
 def prune(root: Path, keep: Path | None = None) -> int:
     """Remove entries whose model file is gone (their headers name it) and entries of an older layout version (no
     later load can use them: an upgrade would otherwise leave a whole model's worth of layout per version), so the
