@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 from tiny_models import write_gguf
@@ -185,7 +186,7 @@ def test_bench_batch_sizes_end_to_end(tmp_path, capsys):
                                for w in ("alpha", "beta", "gamma", "delta", "epsilon")))
     out = tmp_path / "b.json"
     rc = main(["bench", "-m", str(model), "--prompts", str(prompts), "--mode", "ngram", "-n", "10",
-               "--batch", "2,4", "--no-chat", "--ignore-eos", "--json", str(out)])
+               "--batch", "2,4", "--no-chat", "--ignore-eos", "--repeats", "2", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     got = [(r["mode"], r["batch"]) for r in report["rows"]]
@@ -198,6 +199,12 @@ def test_bench_batch_sizes_end_to_end(tmp_path, capsys):
     for r in report["rows"]:
         assert 0 < r["prefill_s"] < r["wall_s"] and r["decode_aggregate_tok_s"] > r["aggregate_tok_s"]
         assert r["decode_aggregate_tok_s"] == pytest.approx(r["tokens"] / (r["wall_s"] - r["prefill_s"]))
-        # lockstep (llama-batched-bench's S_TG): each group prefilled first, then every token after the first decoded
-        assert r["lockstep_tokens"] == 5 * 9 and r["lockstep_tok_s"] == pytest.approx(45 / r["lockstep_s"])
+        # lockstep (llama-batched-bench's S_TG): each group prefilled first, then every token after the first
+        # decoded; --repeats rounds, the median reported, and the ratio to batch 1 taken within each round
+        runs = r["lockstep_runs"]
+        assert len(runs) == 2 and all(x["tokens"] == 5 * 9 for x in runs)
+        assert r["lockstep_tok_s"] == pytest.approx(statistics.median(45 / x["seconds"] for x in runs))
+        one = next(q for q in report["rows"] if q["mode"] == r["mode"] and q["batch"] == 1)["lockstep_runs"]
+        assert r["lockstep_vs_batch1"] == pytest.approx(statistics.median(
+            one[i]["seconds"] / x["seconds"] for i, x in enumerate(runs)))
     assert "every batched output is identical" in capsys.readouterr().out

@@ -388,8 +388,9 @@ def run_batch_bench(target, modes: list[str], prompts: list[Prompt], n: int, bat
         spec = SpecConfig(kind=kind, draft_max=str(args.draft_max).split(",")[0], ngram_min=args.ngram_min,
                           ngram_max=args.ngram_max)
         mtp = resolve_mtp(target, args.heads) if kind == "mtp" else None
+        llms, mode_rows = {}, {}
         for b in batches:
-            llm = LLM.of(target, None, spec, max_batch=b, mtp=mtp)
+            llm = llms[b] = LLM.of(target, None, spec, max_batch=b, mtp=mtp)
             llm.generate(ids[:1], GREEDY, max_tokens=8, progress=False)  # warm-up
             t0 = time.perf_counter()
             outs = llm.generate(ids, GREEDY, max_tokens=n, ignore_eos=args.ignore_eos, progress=False)
@@ -408,16 +409,31 @@ def run_batch_bench(target, modes: list[str], prompts: list[Prompt], n: int, bat
             # generated tokens over the decode steps alone: what llama-batched-bench reports as S_TG
             prefill = sum(o.stats.prefill_s for o in outs)
             decode = toks / (wall - prefill) if wall > prefill else 0.0
-            lock_toks, lock_s, lock_outs = lockstep_decode(llm, ids, n, b, args.ignore_eos)
-            mismatches += [{"mode": mode, "batch": b, "prompt": prompts[i].id, "lockstep": True}
-                           for i, o in enumerate(lock_outs) if o != ref[(mode, 1)][i]]
-            lockstep = lock_toks / lock_s if lock_s > 0 else 0.0
-            rows.append({"mode": mode, "batch": b, "aggregate_tok_s": toks / wall, "per_sequence_tok_s": per_seq,
-                         "decode_aggregate_tok_s": decode, "prefill_s": prefill, "tokens": toks, "wall_s": wall,
-                         "lockstep_tok_s": lockstep, "lockstep_tokens": lock_toks, "lockstep_s": lock_s,
-                         "mean_accepted": st.mean_accepted_length, "acceptance": st.acceptance_rate})
-            print(f"batch {b} {mode}: {toks / wall:.1f} tok/s aggregate, {decode:.1f} without the prefills, "
-                  f"{lockstep:.1f} in lockstep", file=sys.stderr)
+            mode_rows[b] = {"mode": mode, "batch": b, "aggregate_tok_s": toks / wall, "per_sequence_tok_s": per_seq,
+                            "decode_aggregate_tok_s": decode, "prefill_s": prefill, "tokens": toks, "wall_s": wall,
+                            "mean_accepted": st.mean_accepted_length, "acceptance": st.acceptance_rate}
+        # the lockstep measure, --repeats rounds with the batch sizes interleaved in each: this host's speed drifts
+        # by up to 1.7x within minutes (batch 8 read 864 and 1199 tok/s a minute apart), so a batch size's ratio to
+        # batch 1 is taken within each round and the median over rounds reported
+        runs: dict[int, list[float]] = {b: [] for b in batches}
+        timed: dict[int, list[dict]] = {b: [] for b in batches}
+        for _ in range(max(1, args.repeats)):
+            for b in batches:
+                lock_toks, lock_s, lock_outs = lockstep_decode(llms[b], ids, n, b, args.ignore_eos)
+                runs[b].append(lock_toks / lock_s if lock_s > 0 else 0.0)
+                timed[b].append({"tokens": lock_toks, "seconds": lock_s})
+                if (mode, 1) in ref:
+                    mismatches += [{"mode": mode, "batch": b, "prompt": prompts[i].id, "lockstep": True}
+                                   for i, o in enumerate(lock_outs) if o != ref[(mode, 1)][i]]
+        for b in batches:
+            r = mode_rows[b]
+            r["lockstep_tok_s"], r["lockstep_runs"] = statistics.median(runs[b]), timed[b]
+            if 1 in runs and all(runs[1]):
+                r["lockstep_vs_batch1"] = statistics.median(x / y for x, y in zip(runs[b], runs[1], strict=True))
+            rows.append(r)
+            print(f"batch {b} {mode}: {r['aggregate_tok_s']:.1f} tok/s aggregate, {r['decode_aggregate_tok_s']:.1f} "
+                  f"without the prefills, {r['lockstep_tok_s']:.1f} in lockstep (median of {len(runs[b])}: "
+                  f"{', '.join(f'{x:.1f}' for x in runs[b])})", file=sys.stderr)
     base = next(r["aggregate_tok_s"] for r in rows if r["mode"] == modes[0] and r["batch"] == 1)
     for r in rows:
         r["vs_plain_batch1"] = r["aggregate_tok_s"] / base
@@ -459,7 +475,8 @@ def print_batch_report(report: dict) -> None:
     for r in rows:
         dec, lock = r.get("decode_aggregate_tok_s"), r.get("lockstep_tok_s")
         cells = f"{dec:.1f} | {dec / base:.2f}" if dec and base else "- | -"
-        cells += f" | {lock:.1f} | {lock / lock1:.2f}" if lock and lock1 else " | - | -"
+        ratio = r.get("lockstep_vs_batch1") or (lock / lock1 if lock and lock1 else None)  # paired rounds' median
+        cells += f" | {lock:.1f} | {ratio:.2f}" if lock and ratio else " | - | -"
         print(f"| {r['batch']} | {r['mode']} | {r['aggregate_tok_s']:.1f} | {r['vs_plain_batch1']:.2f} | {cells} | "
               f"{r['per_sequence_tok_s']:.1f} | {r['mean_accepted']:.2f} |")
     peers = report.get("peers", [])
