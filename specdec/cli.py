@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--category", default=None, help="only prompts of these Spec-Bench categories (comma-separated)")
     b.add_argument("--limit", type=at_least(1), default=None, help="at most this many prompts per category")
     b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate per prompt (default 128)")
-    b.add_argument("--repeats", type=at_least(1), default=3, help="runs per prompt and mode; the median is reported")
+    b.add_argument("--repeats", type=at_least(1), default=3,
+                   help="runs per prompt and mode (with --batch: rounds of the lockstep measure, batch sizes "
+                        "interleaved); the median is reported")
     b.add_argument("--batch", default=None, help="batched throughput instead: comma-separated batch sizes, e.g. "
                                                  "1,2,4,8,16 (every prompt through the engine, that many at a "
                                                  "time; aggregate and per-sequence tok/s)")
