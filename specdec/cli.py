@@ -376,6 +376,14 @@ def prompt_tokens(tokenizer, text: str, chat: bool, system: str | None = None) -
     return tokenizer.encode_chat(chat_messages(text, system))
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def early_prompt(args, text: str):
     """(light tokenizer, PromptEncoder) for a model whose tokenizer is cached with its decode table: the prompt is
     encoded in a helper process while this one imports torch and loads (light_tokenizer.py); else None. Runs
@@ -383,7 +391,7 @@ def early_prompt(args, text: str):
     from .config import ModelError
     from .paths import resolve_model_path
 
-    if os.environ.get("SPECDEC_TOKENIZER_HELPER") == "0":
+    if os.environ.get("SPECDEC_TOKENIZER_HELPER") == "0" or usable_cpus() < 2:  # one core: nothing to overlap
         return None
     try:
         path = resolve_model_path(args.model)

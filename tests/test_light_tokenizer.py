@@ -118,3 +118,18 @@ def test_generate_with_the_helper_is_generate_without_it(tmp_path, model, gemma_
         result = json.loads(js.read_text())
         outs[helper] = (result["tokens"], result["text"], r.stdout)
     assert outs[True] == outs[False]
+
+
+def test_no_helper_on_one_core(monkeypatch, smollm2_path):
+    """With one usable CPU the helper would only compete with the load: generate encodes in-process."""
+    from types import SimpleNamespace
+
+    from specdec import cli
+
+    load_tokenizer(smollm2_path)  # the decode table exists
+    args = SimpleNamespace(model=str(smollm2_path), chat=False, system=None)
+    monkeypatch.setattr(cli, "usable_cpus", lambda: 2)
+    early = cli.early_prompt(args, "Hello")
+    assert early is not None and early[1].ids() == load_tokenizer(smollm2_path).encode("Hello")
+    monkeypatch.setattr(cli, "usable_cpus", lambda: 1)
+    assert cli.early_prompt(args, "Hello") is None
