@@ -158,13 +158,14 @@ class LightTokenizer(Tokenizer):
         folder = cache_dir() / "tokenizers" / _file_key(model_path)
         try:
             table = json.loads((folder / TABLE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-        try:
             if table.get("version") != TABLE_VERSION or decoder_chain(table.get("decoder")) is None:
-                return None
+                raise ValueError("not a decode table of this version")
             light = cls(folder, table)
-        except (AttributeError, KeyError, TypeError, IndexError):  # a damaged table: the full tokenizer then
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError):
+            # a damaged table: the full tokenizer this time, and removed so that its next load writes it anew
+            (folder / TABLE).unlink(missing_ok=True)
             return None
         light.load_s = time.perf_counter() - t0
         return light

@@ -88,6 +88,8 @@ def test_a_damaged_table_means_the_full_tokenizer(tmp_path, monkeypatch, smollm2
     assert LightTokenizer.cached(smollm2_path) is not None
     (folder / TABLE).write_text(damage)
     assert LightTokenizer.cached(smollm2_path) is None
+    load_tokenizer(smollm2_path)  # the full load writes it anew: the helper's path is back
+    assert LightTokenizer.cached(smollm2_path) is not None
 
 
 def test_a_broken_helper_means_encoding_here(tmp_path, smollm2_path):
