@@ -409,10 +409,11 @@ def cmd_generate(args) -> int:
     import json
     import time
 
-    text = read_prompt(args) if not (args.file and args.file.endswith(".jsonl")) else ""
+    batch_file = bool(args.file and args.file.endswith(".jsonl"))
+    text = "" if batch_file else read_prompt(args)
     if args.n_predict <= 0:
         raise ValueError("-n must be > 0")
-    early = early_prompt(args, text) if not (args.file and args.file.endswith(".jsonl")) else None
+    early = None if batch_file else early_prompt(args, text)
     set_threads(args)
     from .generate import generate
 
@@ -424,7 +425,7 @@ def cmd_generate(args) -> int:
     draft = load_model(args, "model_draft", target) if kind == "draft" else None
     from .spec import build_proposer
 
-    if args.file and args.file.endswith(".jsonl"):
+    if batch_file:
         return generate_batch(args, target, draft, spec, mtp, params)
     proposer = build_proposer(spec, target, params, draft, mtp)
     ids = None

@@ -63,21 +63,26 @@ class VocabDecoder:
     def __init__(self, tokens: Sequence[str], special: set[int], chain: list[dict]):
         self.tokens, self.special, self.chain = tokens, special, chain
         self.byte_level = _byte_level_chars() if chain[0]["type"] == "ByteLevel" else None
+        self.token_bytes: dict[int, bytes] = {}  # byte-level: each token's bytes, made at its first use
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         n = len(self.tokens)
-        toks = [self.tokens[i] for i in ids if 0 <= i < n and not (skip_special_tokens and i in self.special)]
-        if self.byte_level is not None:
-            out = bytearray()
-            for t in toks:
-                try:
-                    out += bytes(self.byte_level[c] for c in t)
-                except KeyError:  # a token outside the alphabet (an added one) stands for its own UTF-8
-                    out += t.encode()
-            return out.decode("utf-8", "replace")
+        ids = [i for i in ids if 0 <= i < n and not (skip_special_tokens and i in self.special)]
+        if self.byte_level is not None:  # the stream decoder asks twice a step: bytes made once per token
+            return b"".join(self.token_bytes.get(i) or self._bytes(i) for i in ids).decode("utf-8", "replace")
+        toks = [self.tokens[i] for i in ids]
         for step in self.chain:
             toks = getattr(self, "_" + step["type"].lower())(toks, step)
         return "".join(toks)
+
+    def _bytes(self, i: int) -> bytes:
+        t = self.tokens[i]
+        try:
+            b = bytes(self.byte_level[c] for c in t)
+        except KeyError:  # a token outside the alphabet (an added one) stands for its own UTF-8
+            b = t.encode()
+        self.token_bytes[i] = b
+        return b
 
     @staticmethod
     def _replace(toks: list[str], step: dict) -> list[str]:
@@ -208,8 +213,7 @@ class PromptEncoder:
             return
         # the request goes now, so the helper encodes and exits (its ~190 MB freed) as soon as its tokenizer is
         # built, while this process is still importing torch; a thread writes it, as a long prompt fills the pipe
-        self.writer = threading.Thread(target=self._send, args=(request,), daemon=True)
-        self.writer.start()
+        threading.Thread(target=self._send, args=(request,), daemon=True).start()
 
     def _send(self, request: str) -> None:
         try:
