@@ -503,6 +503,8 @@ def test_avx2_path_is_the_avx512_path(tmp_path):
     here = Path(__file__).parent
     code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from specdec import kernels; "
             "assert kernels.matmul_isa() == 'AVX2', kernels.matmul_isa(); "
+            "p = kernels.instruction_peaks(0.002, 1); "  # the roofline's yardstick on that path too
+            "assert p['int_instruction'] == 'VPMADDUBSW ymm' and p['int_macs_s'] > 0 and p['fma_macs_s'] > 0, p; "
             "from test_matmul import _every_format_outputs; torch.save(_every_format_outputs(), sys.argv[2])")
     out = tmp_path / "avx2.pt"
     subprocess.run([sys.executable, "-c", code, str(here), str(out)], check=True, timeout=600,

@@ -245,6 +245,12 @@ def test_roofline_command_quick(tmp_path, capsys):
     assert r["machine"]["torch"] and r["settings"]["context"] == 16
     assert "moe" not in r  # a dense model's report has no MoE part
     assert "| T | ms per forward" in captured.out and "best K" in captured.out
+    ins = r["peaks"]["instructions"]
+    if kernels.matmul_isa() is None:
+        assert ins is None
+    else:  # the instruction peaks, in the report and its text
+        assert ins["isa"] == kernels.matmul_isa() and ins["int_gop_s"] > 0 and ins["fma_gflop_s"] > 0
+        assert f"{ins['int_instruction']} {ins['int_gop_s']:.0f} GOP/s" in captured.out
     data = out_png.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 20_000
 
@@ -444,3 +450,18 @@ def test_kernel_rate_of_a_quantized_model_only(tmp_path):
     assert quantized.layers[-1].moe.experts[0][0].native
     rate = measure_kernel_rate(quantized)
     assert rate is not None and 1e8 < rate < 1e14  # FLOP/s: a real timing, not a placeholder
+
+
+@pytest.mark.skipif(kernels.matmul_isa() is None, reason="the quantized matmul kernel is not built on this CPU")
+def test_instruction_peaks_count_every_thread(monkeypatch):
+    """specdec_peak's multiply-adds per second: with twice the rounds the same rate (it is a rate, not a count), and
+    the named instructions those of the path the kernel runs."""
+    dll = kernels.matmul_lib()
+    a = dll.specdec_peak(0, 100_000)
+    b = dll.specdec_peak(0, 200_000)
+    assert a > 1e8 and b > 1e8 and 0.25 < a / b < 4  # MAC/s: a real timing of the same work per second
+    assert dll.specdec_peak(1, 100_000) > 1e8
+    p = kernels.instruction_peaks(seconds=0.005, repeats=1)
+    assert p["isa"] == kernels.matmul_isa()
+    assert p["int_instruction"].startswith("VPDPBUSD" if p["isa"] == "AVX-512 VNNI" else "VPMADDUBSW")
+    assert p["int_macs_s"] > 0 and p["fma_macs_s"] > 0

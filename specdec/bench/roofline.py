@@ -12,6 +12,9 @@ this command measures it.
 What it measures, all in one process so the ratios are comparable:
 - STREAM-style bandwidth (McCalpin): copy, triad and read-only over arrays far larger than the caches;
 - achieved FLOP/s of a large matmul in the model's activation dtype;
+- the peak rates of the instruction the quantized kernel's integer dot products run on (VPDPBUSD, or VPMADDUBSW on
+  AVX2) and of f32 FMAs (kernels.instruction_peaks), against which the kernel's own rate per extra row reads as a
+  fraction: how much a faster kernel could still flatten v(T);
 - v(T): one target forward over T new tokens against a KV cache holding `context` tokens, exactly as speculative
   verification runs it (`exact=True`);
 - c: seconds per drafted token of a draft model (-md), relative to v(1); 0 for n-gram lookup;
@@ -33,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelArgs
+from ..kernels import instruction_peaks
 from ..spec.costmodel import best_k, expected_tokens_iid, interpolate, speedup
 
 DEFAULT_TS = (1, 2, 4, 8, 16, 32, 64)
@@ -405,6 +409,8 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
     progress(f"matmul {mm_n}x{mm_n} @ {mm_n}x{mm_n} in {_dtype_name(model.dtype)} ...")
     flops_peak = matmul_peak(model.dtype, dev, mm_n, repeats=3 if quick else 5)
     kernel_rate = measure_kernel_rate(model, repeats=3 if quick else 9)  # what a verify's extra rows cost
+    progress("instruction peaks: the kernel's integer dot product and f32 FMA, every thread at once ...")
+    instr = instruction_peaks(0.01 if quick else 0.05) if dev.type == "cpu" else None
     progress(f"target forwards over T = {', '.join(map(str, ts))} new tokens after {context} cached ...")
     costs = forward_costs(model, context, ts, exact=True, repeats=repeats, warmup=warmup, progress=progress)
     c_draft = None
@@ -464,7 +470,12 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
                   "read_bytes_at_weight_size": wset,
                   "matmul_gflop_s": flops_peak / 1e9, "kernel_gflop_s": kernel_rate / 1e9 if kernel_rate else None,
                   "matmul_n": mm_n, "matmul_dtype": _dtype_name(model.dtype),
-                  "ridge_flop_per_byte": ridge},
+                  "ridge_flop_per_byte": ridge,
+                  # two operations a multiply-add, as the FLOP counts above
+                  "instructions": None if instr is None else {
+                      "isa": instr["isa"], "int_instruction": instr["int_instruction"],
+                      "int_gop_s": 2 * instr["int_macs_s"] / 1e9, "fma_instruction": instr["fma_instruction"],
+                      "fma_gflop_s": 2 * instr["fma_macs_s"] / 1e9}},
         "forward": rows,
         "phases": phases,
         "verify_curve": {str(t): v(t) for t in range(1, K_MAX + 2)},
@@ -561,9 +572,15 @@ def print_report(r: dict) -> None:
         print("(--quick: arrays this small may stay in cache, so the bandwidth floors below can be far too low)")
     print(f"matmul {p['matmul_n']}^3 in {p['matmul_dtype']}: {p['matmul_gflop_s']:.1f} GFLOP/s; "
           f"ridge point {p['ridge_flop_per_byte']:.1f} FLOP/byte (peak FLOP/s / read GB/s)")
+    ins = p.get("instructions")
+    if ins:
+        print(f"instruction peaks ({r['settings']['threads']} threads, {ins['isa']} path): {ins['int_instruction']} "
+              f"{ins['int_gop_s']:.0f} GOP/s (int8 multiply-adds x 2), {ins['fma_instruction']} "
+              f"{ins['fma_gflop_s']:.0f} GFLOP/s")
     if p.get("kernel_gflop_s"):
+        of_peak = f", {p['kernel_gflop_s'] / ins['int_gop_s']:.0%} of {ins['int_instruction']}'s peak" if ins else ""
         print(f"quantized matmul kernel: {p['kernel_gflop_s']:.1f} GFLOP/s for each row beyond the first (an FFN "
-              "linear of the model, cache-resident): the rate of a verification's extra rows")
+              f"linear of the model, cache-resident){of_peak}: the rate of a verification's extra rows")
     print(f"\ntarget forward over T new tokens after {r['settings']['context']} cached (exact verification, "
           f"medians of {r['settings']['repeats']}):")
     print("| T | ms per forward | ratio to T=1 | bandwidth floor ms | achieved GB/s | achieved GFLOP/s | "

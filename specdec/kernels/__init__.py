@@ -248,6 +248,8 @@ def declare_matmul(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.specdec_matmul_amx.argtypes = [i]
     dll.specdec_rows_int8.restype = i
     dll.specdec_rows_int8.argtypes = [ptr, ptr, i, i, ptr, i, ptr, i, ctypes.c_float]
+    dll.specdec_peak.restype = ctypes.c_double
+    dll.specdec_peak.argtypes = [i, ctypes.c_long]
     dll.specdec_matmul_amx(int(os.environ.get("SPECDEC_AMX", "1") != "0"))  # SPECDEC_AMX=0: VNNI only
     return dll
 
@@ -257,6 +259,28 @@ def matmul_isa() -> str | None:
     Both compute the same integer dot products and float operations (matmul.c)."""
     dll = matmul_lib()
     return {2: "AVX-512 VNNI", 1: "AVX2"}.get(dll.specdec_matmul_supported()) if dll is not None else None
+
+
+PEAK_INSTRUCTIONS = {"AVX-512 VNNI": ("VPDPBUSD zmm", "VFMADD zmm"), "AVX2": ("VPMADDUBSW ymm", "VFMADD ymm")}
+
+
+def instruction_peaks(seconds: float = 0.05, repeats: int = 3) -> dict | None:
+    """The peak rates (multiply-adds per second, every thread at once) of the instruction the quantized matmul
+    kernel's integer dot products run on and of f32 FMAs at the same width (matmul.c's specdec_peak: 12 independent
+    chains a thread), the best of `repeats` runs of about `seconds` each; None where the kernel is not built. The
+    yardstick for the kernels' own rates: a rate near it leaves nothing to gain but fewer multiply-adds."""
+    dll, isa = matmul_lib(), matmul_isa()
+    if dll is None or isa is None:
+        return None
+    out = {"isa": isa}
+    for which, key in ((0, "int"), (1, "fma")):
+        rate = dll.specdec_peak(which, 20_000)  # a first guess, to size the timed runs
+        if rate <= 0:
+            return None
+        iters = max(1, int(rate * seconds / (12 * 64 * torch.get_num_threads())))
+        out[f"{key}_macs_s"] = max(dll.specdec_peak(which, iters) for _ in range(repeats))
+        out[f"{key}_instruction"] = PEAK_INSTRUCTIONS[isa][which]
+    return out
 
 
 def set_amx(on: bool) -> bool:

@@ -69,6 +69,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -1396,5 +1397,89 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
     (void)x, (void)R, (void)D, (void)k, (void)ids, (void)E, (void)I, (void)bits13, (void)bits2, (void)w13, (void)w2;
     (void)out, (void)bf16;
     return -2;
+#endif
+}
+
+/* The machine's peak rate of the instruction the kernel's integer dot products run on (which = 0: VPDPBUSD zmm on
+   the AVX-512 VNNI path, 64 u8 x s8 products a instruction; VPMADDUBSW ymm on the AVX2 path, 32) or of f32 fused
+   multiply-adds at the path's width (which = 1: zmm, 16 a instruction; ymm, 8), for the roofline to set the
+   kernels' measured rates against (AMX's tile passes, where the CPU has them, are not covered): 12 independent chains
+   a thread, so the instruction's throughput, not its latency, sets the pace, every OpenMP thread at once, `iters`
+   rounds each. Returns multiply-adds per second over all threads; -1 where this build has no kernel path. */
+static volatile int64_t peak_sink;
+
+#define PEAK_CHAINS 12
+#if HAVE_VNNI
+typedef __m512i peak_vi;
+typedef __m512 peak_vf;
+#define PEAK_INT_MACS 64
+#define PEAK_FMA_MACS 16
+#define PEAK_INT(a, u, v) _mm512_dpbusd_epi32(a, u, v)
+#define PEAK_SETI(x) _mm512_set1_epi32(x)
+#define PEAK_SETB(x) _mm512_set1_epi8(x)
+#define PEAK_SETF(x) _mm512_set1_ps(x)
+#define PEAK_FMA(a, x, y) _mm512_fmadd_ps(a, x, y)
+#define PEAK_SUMI(a) _mm512_reduce_add_epi32(a)
+#define PEAK_SUMF(a) _mm512_reduce_add_ps(a)
+#elif HAVE_AVX2
+typedef __m256i peak_vi;
+typedef __m256 peak_vf;
+#define PEAK_INT_MACS 32
+#define PEAK_FMA_MACS 8
+#define PEAK_INT(a, u, v) _mm256_maddubs_epi16(_mm256_xor_si256(a, u), v) /* a chain through the u8 operand */
+#define PEAK_SETI(x) _mm256_set1_epi32(x)
+#define PEAK_SETB(x) _mm256_set1_epi8(x)
+#define PEAK_SETF(x) _mm256_set1_ps(x)
+#define PEAK_FMA(a, x, y) _mm256_fmadd_ps(a, x, y)
+#define PEAK_SUMI(a) _mm256_extract_epi32(a, 0)
+#define PEAK_SUMF(a) _mm256_cvtss_f32(a)
+#endif
+
+#if HAVE_KERNEL
+static int64_t peak_int_chains(long iters) {
+    peak_vi a[PEAK_CHAINS], v[PEAK_CHAINS], u = PEAK_SETB(3);
+    for (int j = 0; j < PEAK_CHAINS; j++) a[j] = PEAK_SETI(j), v[j] = PEAK_SETB((char)(j + 1));
+    for (long n = 0; n < iters; n++) {
+#pragma GCC unroll 12
+        for (int j = 0; j < PEAK_CHAINS; j++) a[j] = PEAK_INT(a[j], u, v[j]);
+        __asm__ volatile("" : "+x"(u)); /* u unknown each round: no chain is folded or hoisted */
+    }
+    int64_t s = 0;
+    for (int j = 0; j < PEAK_CHAINS; j++) s += PEAK_SUMI(a[j]);
+    return s;
+}
+
+static int64_t peak_fma_chains(long iters) {
+    peak_vf a[PEAK_CHAINS], y[PEAK_CHAINS], x = PEAK_SETF(0.999f);
+    for (int j = 0; j < PEAK_CHAINS; j++) a[j] = PEAK_SETF((float)j), y[j] = PEAK_SETF(0.5f + 1e-3f * (float)j);
+    for (long n = 0; n < iters; n++) {
+#pragma GCC unroll 12
+        for (int j = 0; j < PEAK_CHAINS; j++) a[j] = PEAK_FMA(a[j], x, y[j]);
+        __asm__ volatile("" : "+x"(x));
+    }
+    float s = 0.0f;
+    for (int j = 0; j < PEAK_CHAINS; j++) s += PEAK_SUMF(a[j]);
+    return (int64_t)s;
+}
+#endif
+
+double specdec_peak(int which, long iters) {
+#if HAVE_KERNEL
+    struct timespec t0, t1;
+    int threads = 0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+#pragma omp parallel
+    {
+        __atomic_add_fetch(&threads, 1, __ATOMIC_RELAXED);
+        int64_t s = which ? peak_fma_chains(iters) : peak_int_chains(iters);
+        __atomic_add_fetch(&peak_sink, s, __ATOMIC_RELAXED);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    double macs = (double)threads * (double)iters * PEAK_CHAINS * (which ? PEAK_FMA_MACS : PEAK_INT_MACS);
+    return seconds > 0.0 ? macs / seconds : -1.0;
+#else
+    (void)which, (void)iters;
+    return -1.0;
 #endif
 }
