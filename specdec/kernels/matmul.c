@@ -149,8 +149,9 @@
 #define AVX2_YM_FUSED_MAX 3
 #endif
 #ifndef PREFETCH /* bytes of int4 codes (twice that of int8) fetched ahead into L1; 0: none */
-#if HAVE_VNNI
-#define PREFETCH 3072
+#if HAVE_VNNI /* 3 KB until a host with twice the memory bandwidth decoded 1.07-1.12x faster at 6 KB (8B-, 1B-shaped,
+                 SmolLM2; T = 9 and 8 sequences unchanged: docs/results/prefetch-6k-1207.txt) */
+#define PREFETCH 6144
 #else /* AVX2: on the 12-03 EPYC host 1 KB decoded the 8B- and 1B-shaped files ~5% faster than 3 KB
          (docs/results/prefetch-avx2.txt) */
 #define PREFETCH 1024
