@@ -129,3 +129,15 @@ def test_a_draft_of_another_vocabulary_is_refused_before_its_weights_load(monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and "differ" in err[-1]
     assert loaded == [None]  # the target only
+
+
+def test_first_torch_import_pauses_the_collector_and_freezes(tmp_path):
+    """set_threads imports torch with the cycle collector paused (a fresh process: in this one torch is imported
+    already) and then freezes the objects it made: a collector left off, or nothing frozen, fails this."""
+    code = ("import argparse, gc, sys; from specdec.cli import set_threads; "
+            "assert 'torch' not in sys.modules and gc.get_freeze_count() == 0; "
+            "seen = []; gc.callbacks.append(lambda phase, info: seen.append(info['generation'])); "
+            "set_threads(argparse.Namespace(threads=1)); import torch; "
+            "print(gc.isenabled(), gc.get_freeze_count() > 100_000, len(seen), torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["True", "True", "0", "1"]  # enabled again, torch's objects frozen, no collection
