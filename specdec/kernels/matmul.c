@@ -96,6 +96,11 @@
 #endif
 
 #define GROUP 32
+#ifndef OWN_ROWS /* calls of up to this many rows quantize them in every thread, into its own kept buffers: no barrier
+                     and no malloc per call; SmolLM2 decode steps 1.03x, T = 2-4 1.01-1.03x, 8 rows unchanged
+                     (docs/results/own-rows-1207d.txt) */
+#define OWN_ROWS 4
+#endif
 #define LANES 16
 #define Q4K 20      /* bits: int4 codes with Q4_K's scales (see the header) */
 #define KSUPER 320  /* bytes of Q4_K scales per block of 16 rows and super-block of 8 groups */
@@ -1161,6 +1166,23 @@ static int qrows_alloc(qrows *o, int T, int K) {
     return -1;
 }
 
+/* This thread's own buffers for T rows of K inputs, kept from call to call (grown when too small, never freed: a few
+   KB for the few rows they serve), c zeroed; -1 when memory runs out. */
+static __thread qrows own_rows;
+static __thread size_t own_elems, own_t; /* the capacity: T x K and T at the last allocation */
+
+static int thread_rows(qrows *o, int T, int K) {
+    if ((size_t)T * K > own_elems || (size_t)T > own_t) {
+        qrows_free(&own_rows);
+        own_elems = own_t = 0;
+        if (qrows_alloc(&own_rows, T, K)) return -1;
+        own_elems = (size_t)T * K, own_t = (size_t)T;
+    }
+    *o = own_rows;
+    memset(o->c, 0, sizeof(float) * (size_t)T);
+    return 0;
+}
+
 /* The T activation rows quantized (quantize_rows) into new buffers (the caller frees them: qrows_free); -1 when
    memory runs out. */
 static int quantized_input(const void *x, int bf16, int T, int K, const float *norm, float eps, qrows *o) {
@@ -1188,28 +1210,36 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
 #if HAVE_KERNEL
     if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || T < 1) return -2;
     if (bits == STACK ? !stack_ok(s, K, N) : !format_ok(bits, K)) return -2;
-    int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N;
-    qrows in;
-    if (qrows_alloc(&in, T, K)) return -1;
+    int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N, own = T <= OWN_ROWS;
+    qrows in = {0};
+    if (!own && qrows_alloc(&in, T, K)) return -1;
     int failed = 0;
     _Pragma("omp parallel reduction(| : failed)") {
         AMX_FRESH;
-        /* the rows quantized by both threads (a row's codes are the same operations whichever thread runs them) */
-        _Pragma("omp for schedule(static)") for (int t = 0; t < T; t++)
-            quantize_rows(x, bf16, t, t + 1, K, norm, eps, &in);
-        float *acc = malloc(sizeof(float) * (size_t)T * LANES * 2);
+        qrows rows = in;
+        if (own) { /* a decode step's few rows: each thread quantizes them itself into its own buffers, so no thread
+                      waits for another before its blocks (a row's codes are the same operations wherever computed) */
+            if (thread_rows(&rows, T, K))
+                failed = 1;
+            else
+                quantize_rows(x, bf16, 0, T, K, norm, eps, &rows);
+        } else { /* the rows shared out between the threads */
+            _Pragma("omp for schedule(static)") for (int t = 0; t < T; t++)
+                quantize_rows(x, bf16, t, t + 1, K, norm, eps, &in);
+        }
+        float few[OWN_ROWS * LANES * 2], *acc = own ? few : malloc(sizeof(float) * (size_t)T * LANES * 2);
         if (!acc) failed = 1;
         _Pragma("omp for schedule(static)") for (int b = 0; b < (swiglu ? blocks / 2 : blocks); b++) {
-            if (!acc) continue;
-            block_all(w, s, z, bits, G, b, &in, K, T, acc);
-            if (swiglu) block_all(w, s, z, bits, G, b + blocks / 2, &in, K, T, acc + T * LANES);
+            if (!acc || (own && !rows.q)) continue;
+            block_all(w, s, z, bits, G, b, &rows, K, T, acc);
+            if (swiglu) block_all(w, s, z, bits, G, b + blocks / 2, &rows, K, T, acc + T * LANES);
             for (int t = 0; t < T; t++)
                 out16(acc + t * LANES, swiglu ? acc + (T + t) * LANES : NULL, residual, y, bf16,
                       (long)t * n_out + (long)b * LANES);
         }
-        free(acc);
+        if (!own) free(acc);
     }
-    qrows_free(&in);
+    if (!own) qrows_free(&in);
     return failed ? -1 : 0;
 #else
     (void)x, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)z, (void)y, (void)bf16, (void)norm;
