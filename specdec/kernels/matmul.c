@@ -1228,8 +1228,10 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
                 quantize_rows(x, bf16, t, t + 1, K, norm, eps, &in);
         }
         float few[OWN_ROWS * LANES * 2], *acc = own ? few : malloc(sizeof(float) * (size_t)T * LANES * 2);
+        /* nowait: the region's end is the one barrier the blocks need (before it, each thread only frees its acc);
+           one barrier less a call: SmolLM2 decode 1.02x (docs/results/own-rows-1207d.txt) */
         if (!acc) failed = 1;
-        _Pragma("omp for schedule(static)") for (int b = 0; b < (swiglu ? blocks / 2 : blocks); b++) {
+        _Pragma("omp for schedule(static) nowait") for (int b = 0; b < (swiglu ? blocks / 2 : blocks); b++) {
             if (!acc || (own && !rows.q)) continue;
             block_all(w, s, z, bits, G, b, &rows, K, T, acc);
             if (swiglu) block_all(w, s, z, bits, G, b + blocks / 2, &rows, K, T, acc + T * LANES);
@@ -1307,7 +1309,7 @@ int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, co
         AMX_FRESH;
         float *acc = malloc(sizeof(float) * (size_t)T * LANES);
         if (!acc) failed = 1;
-        _Pragma("omp for schedule(static)") for (long i = 0; i < (long)H * blocks; i++) {
+        _Pragma("omp for schedule(static) nowait") for (long i = 0; i < (long)H * blocks; i++) {
             if (!acc) continue;
             long h = i / blocks, b = i % blocks, r0 = h * (long)T;
             qrows rows = qrows_at(&in, r0, G, K);
@@ -1383,7 +1385,7 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
             most = first[used[u] + 1] - first[used[u]] > most ? first[used[u] + 1] - first[used[u]] : most;
         float *acc = malloc(sizeof(float) * (size_t)most * LANES * 2);
         if (!acc) failed = 1;
-        _Pragma("omp for schedule(static)") for (long i = 0; i < (long)nused * half; i++) {
+        _Pragma("omp for schedule(static) nowait") for (long i = 0; i < (long)nused * half; i++) {
             if (!acc) continue;
             int e = used[i / half], b = (int)(i % half), s0 = first[e], T = first[e + 1] - s0;
             const int64_t *p = w13 + 3L * e;
@@ -1408,7 +1410,7 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
                 most = first[used[u] + 1] - first[used[u]] > most ? first[used[u] + 1] - first[used[u]] : most;
             float *acc = malloc(sizeof(float) * (size_t)most * LANES);
             if (!acc) failed = 1;
-            _Pragma("omp for schedule(static)") for (long i = 0; i < (long)nused * blocks2; i++) {
+            _Pragma("omp for schedule(static) nowait") for (long i = 0; i < (long)nused * blocks2; i++) {
                 if (!acc) continue;
                 int e = used[i / blocks2], b = (int)(i % blocks2), s0 = first[e], T = first[e + 1] - s0;
                 const int64_t *p = w2 + 3L * e;
