@@ -131,7 +131,7 @@ def test_a_draft_of_another_vocabulary_is_refused_before_its_weights_load(monkey
     assert loaded == [None]  # the target only
 
 
-def test_first_torch_import_pauses_the_collector_and_freezes(tmp_path):
+def test_first_torch_import_pauses_the_collector_and_freezes():
     """set_threads imports torch with the cycle collector paused (a fresh process: in this one torch is imported
     already) and then freezes the objects it made: a collector left off, or nothing frozen, fails this."""
     code = ("import argparse, gc, sys; from specdec.cli import set_threads; "

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelArgs
-from ..kernels import instruction_peaks
+from ..kernels import instruction_peaks, matmul_isa
 from ..spec.costmodel import best_k, expected_tokens_iid, interpolate, speedup
 
 DEFAULT_TS = (1, 2, 4, 8, 16, 32, 64)
@@ -409,8 +409,10 @@ def run_roofline(target, draft=None, context: int = 256, alphas: Sequence[float]
     progress(f"matmul {mm_n}x{mm_n} @ {mm_n}x{mm_n} in {_dtype_name(model.dtype)} ...")
     flops_peak = matmul_peak(model.dtype, dev, mm_n, repeats=3 if quick else 5)
     kernel_rate = measure_kernel_rate(model, repeats=3 if quick else 9)  # what a verify's extra rows cost
-    progress("instruction peaks: the kernel's integer dot product and f32 FMA, every thread at once ...")
-    instr = instruction_peaks(0.01 if quick else 0.05) if dev.type == "cpu" else None
+    instr = None
+    if dev.type == "cpu" and matmul_isa() is not None:
+        progress("instruction peaks: the kernel's integer dot product and f32 FMA, every thread at once ...")
+        instr = instruction_peaks(0.01 if quick else 0.05)
     progress(f"target forwards over T = {', '.join(map(str, ts))} new tokens after {context} cached ...")
     costs = forward_costs(model, context, ts, exact=True, repeats=repeats, warmup=warmup, progress=progress)
     c_draft = None

@@ -272,12 +272,14 @@ def instruction_peaks(seconds: float = 0.05, repeats: int = 3) -> dict | None:
     dll, isa = matmul_lib(), matmul_isa()
     if dll is None or isa is None:
         return None
+    import time
+
     out = {"isa": isa}
     for which, key in ((0, "int"), (1, "fma")):
-        rate = dll.specdec_peak(which, 20_000)  # a first guess, to size the timed runs
-        if rate <= 0:
+        t = time.perf_counter()
+        if dll.specdec_peak(which, 20_000) <= 0:  # a first run, timed to size the measured ones
             return None
-        iters = max(1, int(rate * seconds / (12 * 64 * torch.get_num_threads())))
+        iters = max(1, int(20_000 * seconds / max(time.perf_counter() - t, 1e-6)))
         out[f"{key}_macs_s"] = max(dll.specdec_peak(which, iters) for _ in range(repeats))
         out[f"{key}_instruction"] = PEAK_INSTRUCTIONS[isa][which]
     return out

@@ -1434,8 +1434,8 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
 }
 
 /* The machine's peak rate of the instruction the kernel's integer dot products run on (which = 0: VPDPBUSD zmm on
-   the AVX-512 VNNI path, 64 u8 x s8 products a instruction; VPMADDUBSW ymm on the AVX2 path, 32) or of f32 fused
-   multiply-adds at the path's width (which = 1: zmm, 16 a instruction; ymm, 8), for the roofline to set the
+   the AVX-512 VNNI path, 64 u8 x s8 products each; VPMADDUBSW ymm on the AVX2 path, 32) or of f32 fused
+   multiply-adds at the path's width (which = 1: zmm, 16 each; ymm, 8), for the roofline to set the
    kernels' measured rates against (AMX's tile passes, where the CPU has them, are not covered): 12 independent chains
    a thread, so the instruction's throughput, not its latency, sets the pace, every OpenMP thread at once, `iters`
    rounds each. Returns multiply-adds per second over all threads; -1 where this build has no kernel path. */
