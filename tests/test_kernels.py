@@ -261,3 +261,25 @@ def test_without_a_compiler_attention_falls_back_with_one_line(tmp_path, monkeyp
         kernels.attention_lib.cache_clear()
     monkeypatch.undo()
     assert kernels.attention_lib() is not None
+
+
+def test_a_new_kernel_build_removes_the_builds_no_one_loaded_for_a_month(tmp_path, monkeypatch):
+    """Compiling a kernel (here the sampler, the quickest) removes that kernel's other builds whose last load is
+    older than BUILDS_KEPT_DAYS, keeps a recently loaded one and other kernels' builds; loading an existing build
+    marks it used (its mtime), so a build in use is never the one removed."""
+    import os
+    import time
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    month = (kernels.BUILDS_KEPT_DAYS + 1) * 86400
+    stale, recent, other = (tmp_path / f"{n}.so" for n in ("sample-00000000stale000", "sample-0000000recent00",
+                                                           "matmul-00000000stale000"))
+    for f, age in ((stale, month), (recent, 86400), (other, month)):
+        f.write_bytes(b"\0")
+        os.utime(f, (time.time() - age, time.time() - age))
+    assert kernels._build("sample", "none") is not None
+    built = [f for f in tmp_path.glob("sample-*.so") if f not in (stale, recent)]
+    assert not stale.exists() and recent.exists() and other.exists() and len(built) == 1
+    os.utime(built[0], (time.time() - month, time.time() - month))
+    assert kernels._build("sample", "none") is not None  # loaded from the cache: marked used, not rebuilt
+    assert time.time() - built[0].stat().st_mtime < 3600 and len(list(tmp_path.glob("sample-*.so"))) == 2

@@ -39,6 +39,32 @@ def _cpu_id() -> bytes:
     return "\n".join(sorted(set(lines))).encode()
 
 
+BUILDS_KEPT_DAYS = 30  # a kernel's other builds unused this long are removed when a new one is compiled
+
+
+def _mark_used(lib: Path) -> None:
+    """Record that this process loads `lib` (its mtime; a read-only cache folder keeps its times)."""
+    try:
+        os.utime(lib)
+    except OSError:
+        pass
+
+
+def _prune_builds(name: str, new: Path) -> None:
+    """Remove the builds of kernel `name` other than `new` that no process has loaded for BUILDS_KEPT_DAYS. Every
+    change to a kernel's source (an upgrade) or to the CPU under the cache compiles a build of its own, and nothing
+    removed the old ones; a host that shares the folder and still loads its own build keeps it."""
+    import time
+
+    cutoff = time.time() - BUILDS_KEPT_DAYS * 86400
+    for old in new.parent.glob(f"{name}-*.so"):
+        try:
+            if old != new and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:
+            pass
+
+
 def _build(name: str, fallback: str) -> ctypes.CDLL | None:
     """Compile (once per machine, cached) and load kernels/<name>.c, or None with one line on stderr saying what
     is used instead (`fallback`) when there is no working C compiler. SPECDEC_NO_KERNELS=1 turns every kernel off,
@@ -51,7 +77,9 @@ def _build(name: str, fallback: str) -> ctypes.CDLL | None:
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *FLAGS]).encode() + _cpu_id()).hexdigest()[:16]
     lib = cache_dir() / f"{name}-{key}.so"
-    if not lib.exists():
+    if lib.exists():
+        _mark_used(lib)
+    else:
         print(f"specdec: compiling the {name} kernel (once per machine, ~10 s)", file=sys.stderr, flush=True)
         try:
             lib.parent.mkdir(parents=True, exist_ok=True)
@@ -59,6 +87,7 @@ def _build(name: str, fallback: str) -> ctypes.CDLL | None:
                 out = Path(tmp) / lib.name
                 subprocess.run([cc, *FLAGS, "-o", str(out), str(source)], check=True, capture_output=True, timeout=120)
                 out.replace(lib)  # atomic: a concurrent process sees the whole file or none
+            _prune_builds(name, lib)
         except (OSError, subprocess.SubprocessError) as e:
             err = getattr(e, "stderr", b"") or b""
             why = err.decode(errors="replace").strip().splitlines()[-1:] or [str(e)]
