@@ -66,6 +66,7 @@
    residual add (y = r + x W^T). Each is per row, so batch invariance is kept. */
 
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1166,19 +1167,38 @@ static int qrows_alloc(qrows *o, int T, int K) {
     return -1;
 }
 
-/* This thread's own buffers for T rows of K inputs, kept from call to call (grown when too small, never freed: a few
-   KB for the few rows they serve), c zeroed; -1 when memory runs out. */
-static __thread qrows own_rows;
-static __thread size_t own_elems, own_t; /* the capacity: T x K and T at the last allocation */
+/* This thread's own buffers for T rows of K inputs, kept from call to call (grown when too small; up to ~0.1 MB for
+   the few rows they serve), c zeroed; -1 when memory runs out. They are freed when the thread exits (a thread-specific
+   key's destructor), so threads that come and go (a caller's short-lived threads, and the OpenMP team each of them
+   gets) leave nothing behind. */
+typedef struct {
+    qrows rows;
+    size_t elems, t; /* the capacity: T x K and T at the last allocation */
+} own_buffers;
+static __thread own_buffers *own;
+static pthread_key_t own_key;
+static pthread_once_t own_once = PTHREAD_ONCE_INIT;
+
+static void own_release(void *p) {
+    qrows_free(&((own_buffers *)p)->rows);
+    free(p);
+}
+
+static void own_key_create(void) { pthread_key_create(&own_key, own_release); }
 
 static int thread_rows(qrows *o, int T, int K) {
-    if ((size_t)T * K > own_elems || (size_t)T > own_t) {
-        qrows_free(&own_rows);
-        own_elems = own_t = 0;
-        if (qrows_alloc(&own_rows, T, K)) return -1;
-        own_elems = (size_t)T * K, own_t = (size_t)T;
+    if (!own) {
+        pthread_once(&own_once, own_key_create);
+        if (!(own = calloc(1, sizeof *own))) return -1;
+        pthread_setspecific(own_key, own);
     }
-    *o = own_rows;
+    if ((size_t)T * K > own->elems || (size_t)T > own->t) {
+        qrows_free(&own->rows);
+        own->elems = own->t = 0;
+        if (qrows_alloc(&own->rows, T, K)) return -1;
+        own->elems = (size_t)T * K, own->t = (size_t)T;
+    }
+    *o = own->rows;
     memset(o->c, 0, sizeof(float) * (size_t)T);
     return 0;
 }
@@ -1210,14 +1230,14 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
 #if HAVE_KERNEL
     if (K % GROUP || N % (swiglu ? 2 * LANES : LANES) || T < 1) return -2;
     if (bits == STACK ? !stack_ok(s, K, N) : !format_ok(bits, K)) return -2;
-    int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N, own = T <= OWN_ROWS;
+    int G = K / GROUP, blocks = N / LANES, n_out = swiglu ? N / 2 : N, mine = T <= OWN_ROWS;
     qrows in = {0};
-    if (!own && qrows_alloc(&in, T, K)) return -1;
+    if (!mine && qrows_alloc(&in, T, K)) return -1;
     int failed = 0;
     _Pragma("omp parallel reduction(| : failed)") {
         AMX_FRESH;
         qrows rows = in;
-        if (own) { /* a decode step's few rows: each thread quantizes them itself into its own buffers, so no thread
+        if (mine) { /* a decode step's few rows: each thread quantizes them itself into its own buffers, so no thread
                       waits for another before its blocks (a row's codes are the same operations wherever computed) */
             if (thread_rows(&rows, T, K))
                 failed = 1;
@@ -1227,21 +1247,21 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
             _Pragma("omp for schedule(static)") for (int t = 0; t < T; t++)
                 quantize_rows(x, bf16, t, t + 1, K, norm, eps, &in);
         }
-        float few[OWN_ROWS * LANES * 2], *acc = own ? few : malloc(sizeof(float) * (size_t)T * LANES * 2);
+        float few[OWN_ROWS * LANES * 2], *acc = mine ? few : malloc(sizeof(float) * (size_t)T * LANES * 2);
         /* nowait: the region's end is the one barrier the blocks need (before it, each thread only frees its acc);
            one barrier less a call: SmolLM2 decode 1.02x (docs/results/own-rows-1207d.txt) */
         if (!acc) failed = 1;
         _Pragma("omp for schedule(static) nowait") for (int b = 0; b < (swiglu ? blocks / 2 : blocks); b++) {
-            if (!acc || (own && !rows.q)) continue;
+            if (!acc || (mine && !rows.q)) continue;
             block_all(w, s, z, bits, G, b, &rows, K, T, acc);
             if (swiglu) block_all(w, s, z, bits, G, b + blocks / 2, &rows, K, T, acc + T * LANES);
             for (int t = 0; t < T; t++)
                 out16(acc + t * LANES, swiglu ? acc + (T + t) * LANES : NULL, residual, y, bf16,
                       (long)t * n_out + (long)b * LANES);
         }
-        if (!own) free(acc);
+        if (!mine) free(acc);
     }
-    if (!own) qrows_free(&in);
+    if (!mine) qrows_free(&in);
     return failed ? -1 : 0;
 #else
     (void)x, (void)T, (void)K, (void)N, (void)bits, (void)w, (void)s, (void)z, (void)y, (void)bf16, (void)norm;
