@@ -243,6 +243,33 @@ def test_read_data_gives_prompt_plus_answer_per_answer(tiny, seeds, tmp_path):
     assert read_data(out) == want
 
 
+def test_read_data_refuses_what_is_not_this_models_data(tiny, seeds, tmp_path):
+    from specdec.weights.heads import base_fingerprint
+
+    out = tmp_path / "m.jsonl"
+    run(tiny, out, config(seeds, n_prompts=1))
+    base = base_fingerprint(tiny)
+    want = read_data(out)
+    assert read_data(out, base) == want
+    with pytest.raises(ValueError, match="outside .* vocabulary of 2"):  # ids past another model's vocabulary
+        read_data(out, {**base, "vocab_size": 2})
+    meta = json.loads(meta_path(out).read_text())
+    meta["base"]["sha256"] = "0" * 64
+    meta_path(out).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="answers of another model"):
+        read_data(out, base)
+    assert read_data(out) == want  # without a model to check against, the meta file is not read
+    lines = out.read_text().splitlines()
+    for bad, what in (('{"answers": []}', "KeyError"), ("garbage", "JSONDecodeError"),
+                      ('{"prompt_tokens": [1], "answers": [{"tokens": ["a"]}]}', "ValueError: token ids must be")):
+        out.write_text("\n".join(lines + [bad]) + "\n")
+        with pytest.raises(ValueError, match=rf"line {len(lines) + 1} is not a make-data line \({what}"):
+            read_data(out)
+    out.write_text("garbage")  # no newline: an interrupted first write
+    with pytest.raises(ValueError, match="no complete make-data line"):
+        read_data(out)
+
+
 def test_cli_end_to_end(tiny, seeds, tmp_path, capsys):
     out = tmp_path / "cli.jsonl"
     argv = ["make-data", "-m", str(tiny.path), "-o", str(out), "--n-prompts", "2", "--temps", "0,0.7", "--max-new",

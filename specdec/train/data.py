@@ -420,11 +420,36 @@ def make_data(target, out: str | Path, cfg: DataConfig) -> dict:
             "dropped": dict(filters.counts), **stats, "seconds": time.perf_counter() - t0}
 
 
-def read_data(path: str | Path) -> list[list[int]]:
+def read_data(path: str | Path, base: dict | None = None) -> list[list[int]]:
     """The training sequences of a make-data file: prompt_tokens + answer tokens, one per answer (a truncated last
-    line, from an interrupted run, is skipped)."""
+    line, from an interrupted run, is skipped). With `base` (weights.heads.base_fingerprint of the model to train
+    for), data its meta file says another model made, or token ids past that model's vocabulary, is refused: heads
+    must learn their own model's answers."""
+    path = Path(path)
+    redo = "write training data with `specdec make-data -m MODEL -o FILE`"
+    mpath = meta_path(path)
+    if base is not None and mpath.exists():
+        made_by = json.loads(mpath.read_text()).get("base", {})
+        if made_by.get("sha256") != base["sha256"]:
+            raise ValueError(f"{path} holds answers of another model ({made_by.get('file', '?')}, see {mpath.name}), "
+                             f"not of {base['file']}: {redo}")
     seqs = []
-    for line in _complete_lines(Path(path)):
-        row = json.loads(line)
-        seqs += [row["prompt_tokens"] + a["tokens"] for a in row["answers"]]
+    for i, line in enumerate(_complete_lines(path)):
+        try:
+            row = json.loads(line)
+            prompt = row["prompt_tokens"]
+            got = [prompt + a["tokens"] for a in row["answers"]]
+            if not all(isinstance(t, int) for s in got for t in s):
+                raise ValueError("token ids must be integers")
+        except (ValueError, KeyError, TypeError) as e:
+            why = f"{type(e).__name__}: {e}"
+            raise ValueError(f"{path}: line {i + 1} is not a make-data line ({why}); {redo}") from None
+        seqs += got
+    if not seqs:
+        raise ValueError(f"{path} holds no complete make-data line: {redo}")
+    if base is not None:
+        top = max(max(s) for s in seqs if s)
+        if top >= base["vocab_size"] or min(min(s) for s in seqs if s) < 0:
+            raise ValueError(f"{path} holds token ids outside {base['file']}'s vocabulary of {base['vocab_size']} "
+                             f"(data of another model?): {redo}")
     return seqs

@@ -300,10 +300,17 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
         raise ValueError("train-mtp --kind parallel does not support Gemma 3 trunks: use --kind eagle3")
     if not args.tie_embeddings and cfg.vocab:
         raise ValueError("a reduced draft vocabulary needs tied embeddings: use --vocab 0 for this model")
+    fingerprint = base_fingerprint(target)
+    t0 = time.perf_counter()
+    seqs = None
+    if cfg.data:  # answers made beforehand by `specdec make-data`, checked before the work directory is bound to them
+        from .data import read_data
+
+        seqs = token_subset(read_data(cfg.data, fingerprint), cfg.data_tokens, cfg.seed)
+        seqs = seqs[:cfg.limit] if cfg.limit else seqs
     out = Path(out)
     work = Path(work) if work else out.with_suffix(".work")
     work.mkdir(parents=True, exist_ok=True)
-    fingerprint = base_fingerprint(target)
     # the data stages depend on these settings only, so one work directory serves heads of every kind and size
     data_cfg = {k: getattr(cfg, k) for k in ("samples", "max_new", "temperature", "seed", "prompts", "limit", "data",
                                              "data_tokens")}
@@ -313,13 +320,7 @@ def train_mtp(target, out: str | Path, cfg: TrainConfig, work: str | Path | None
         raise ValueError(f"{work} holds data for other settings or another model: remove it or pass --work DIR")
     _atomic_write(meta_path, json.dumps(run_cfg, indent=1))
     train_key = hashlib.sha1(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:10]
-    t0 = time.perf_counter()
-    if cfg.data:  # answers made beforehand by `specdec make-data`
-        from .data import read_data
-
-        seqs = token_subset(read_data(cfg.data), cfg.data_tokens, cfg.seed)
-        seqs = seqs[:cfg.limit] if cfg.limit else seqs
-    else:
+    if seqs is None:
         seqs = generate_data(target, training_prompts(cfg.prompts, cfg.limit), cfg, work)
     t_gen = time.perf_counter() - t0
     aux = default_aux_layers(args.n_layers) if cfg.kind == "eagle3" else ()
