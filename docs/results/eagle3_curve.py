@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -106,6 +107,8 @@ def main() -> int:
     ap.add_argument("--cache", default="/tmp/eagle3-curve-ref.pt")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows already in --json for heads files not evaluated now (their files may be gone)")
     a = ap.parse_args()
     from specdec.bench.prompts import load_prompts
     from specdec.loader import default_model_path, load
@@ -115,10 +118,13 @@ def main() -> int:
     prompts = load_prompts(root / "shared/data/spec_bench/question.jsonl", "mt_bench,summarization", a.limit)
     refs = reference(target, prompts, a.n, Path(a.cache))
     rows = []
+    if a.append and a.json and Path(a.json).exists():
+        named = {Path(p).name for p in a.heads}
+        rows = [r for r in json.loads(Path(a.json).read_text())["rows"] if r["heads"] not in named]
     for path in a.heads:
         net, ids, tokens = head_net(path, target)
         res = acceptance(net, ids, refs, target, a.steps)
-        rows.append({"heads": Path(path).name, "train_tokens": tokens, **res})
+        rows.append({"heads": Path(path).name, "train_tokens": tokens, "measured": date.today().isoformat(), **res})
         print(f"{Path(path).name:40s} {tokens:>9,} tokens  " + "  ".join(
             f"{c}: first {v['cumulative'][0]:.3f} tau {v['tau']:.2f}" for c, v in res.items()))
     if a.json:
