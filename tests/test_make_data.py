@@ -259,6 +259,9 @@ def test_read_data_refuses_what_is_not_this_models_data(tiny, seeds, tmp_path):
     with pytest.raises(ValueError, match="answers of another model"):
         read_data(out, base)
     assert read_data(out) == want  # without a model to check against, the meta file is not read
+    meta_path(out).write_text("{")
+    with pytest.raises(ValueError, match="not a make-data meta file"):
+        read_data(out, base)
     lines = out.read_text().splitlines()
     for bad, what in (('{"answers": []}', "KeyError"), ("garbage", "JSONDecodeError"),
                       ('{"prompt_tokens": [1], "answers": [{"tokens": ["a"]}]}', "ValueError: token ids must be")):

@@ -429,7 +429,11 @@ def read_data(path: str | Path, base: dict | None = None) -> list[list[int]]:
     redo = "write training data with `specdec make-data -m MODEL -o FILE`"
     mpath = meta_path(path)
     if base is not None and mpath.exists():
-        made_by = json.loads(mpath.read_text()).get("base", {})
+        try:
+            made_by = json.loads(mpath.read_text()).get("base", {})
+        except (ValueError, AttributeError):
+            raise ValueError(f"{mpath} is not a make-data meta file: remove it (the data is then checked by its token "
+                             "ids only) or make the data again") from None
         if made_by.get("sha256") != base["sha256"]:
             raise ValueError(f"{path} holds answers of another model ({made_by.get('file', '?')}, see {mpath.name}), "
                              f"not of {base['file']}: {redo}")
@@ -448,8 +452,8 @@ def read_data(path: str | Path, base: dict | None = None) -> list[list[int]]:
     if not seqs:
         raise ValueError(f"{path} holds no complete make-data line: {redo}")
     if base is not None:
-        top = max(max(s) for s in seqs if s)
-        if top >= base["vocab_size"] or min(min(s) for s in seqs if s) < 0:
+        ids = [t for s in seqs for t in (min(s), max(s)) if s]
+        if ids and (max(ids) >= base["vocab_size"] or min(ids) < 0):
             raise ValueError(f"{path} holds token ids outside {base['file']}'s vocabulary of {base['vocab_size']} "
                              f"(data of another model?): {redo}")
     return seqs
