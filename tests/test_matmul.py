@@ -518,6 +518,7 @@ def test_threads_that_come_and_go_leave_no_row_buffers_behind():
     """Calls of a few rows keep their quantized rows in buffers of each thread's own (matmul.c thread_rows); a
     thread's exit frees them (a thread-specific key's destructor). 200 short-lived threads, each with its own OpenMP
     team, calling a 2-row product of K = 16384: the build that kept them for good grew RSS by ~22 MB here."""
+    import os
     import threading
 
     lin = Int4Linear(weights(32, 16384, 0), None)
@@ -525,7 +526,7 @@ def test_threads_that_come_and_go_leave_no_row_buffers_behind():
 
     def rss_mb() -> float:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096 / 1e6
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
 
     def call_in_a_thread() -> None:
         t = threading.Thread(target=lin, args=(x,))

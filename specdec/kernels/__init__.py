@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,8 +55,6 @@ def _prune_builds(name: str, new: Path) -> None:
     """Remove the builds of kernel `name` other than `new` that no process has loaded for BUILDS_KEPT_DAYS. Every
     change to a kernel's source (an upgrade) or to the CPU under the cache compiles a build of its own, and nothing
     removed the old ones; a host that shares the folder and still loads its own build keeps it."""
-    import time
-
     cutoff = time.time() - BUILDS_KEPT_DAYS * 86400
     for old in new.parent.glob(f"{name}-*.so"):
         try:
@@ -301,8 +300,6 @@ def instruction_peaks(seconds: float = 0.05, repeats: int = 3) -> dict | None:
     dll, isa = matmul_lib(), matmul_isa()
     if dll is None or isa is None:
         return None
-    import time
-
     out = {"isa": isa}
     for which, key in ((0, "int"), (1, "fma")):
         t = time.perf_counter()
