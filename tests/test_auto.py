@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from specdec.spec.auto import AutoProposer
 from specdec.spec.base import Draft
@@ -361,6 +362,22 @@ def test_memory_identity_follows_the_model_file(tmp_path):
     assert _identity(SimpleNamespace(path=None), None, None) is None
 
 
+def test_memory_identity_tells_retrained_heads_apart(tmp_path):
+    """Shipped heads are named in auto's memory key by file name and header digest: heads retrained and shipped
+    under the same name (another training summary in the header) are another source; the same file is the same."""
+    from safetensors.torch import save_file
+
+    from specdec.spec import shipped_source
+
+    f = tmp_path / "h.safetensors"
+    save_file({"w": torch.zeros(4)}, str(f), metadata={"specdec": '{"train": {"loss": 1.0}}'})
+    first = shipped_source(f)
+    assert first == shipped_source(f) and first.startswith("shipped h.safetensors ")
+    save_file({"w": torch.zeros(4)}, str(f), metadata={"specdec": '{"train": {"loss": 0.5}}'})
+    assert shipped_source(f) != first
+    assert shipped_source(tmp_path / "gone.safetensors") == "shipped gone.safetensors unreadable"
+
+
 def test_heads_that_keep_losing_are_not_loaded(smollm2_default, monkeypatch, tmp_path):
     """When auto's memory says the shipped heads lost their last probes in this regime (probe gap at its cap), a
     new `specdec generate` leaves them unloaded (no features in the forward, no probes) in 7 processes of 8 and
@@ -370,7 +387,7 @@ def test_heads_that_keep_losing_are_not_loaded(smollm2_default, monkeypatch, tmp
 
     import specdec.spec.auto as auto_mod
     from specdec.sampling import SamplingParams
-    from specdec.spec import _identity, auto_mtp, regime, resolve_mtp
+    from specdec.spec import _identity, auto_mtp, regime, resolve_mtp, shipped_source
     from specdec.weights.heads import find_heads
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
@@ -378,7 +395,7 @@ def test_heads_that_keep_losing_are_not_loaded(smollm2_default, monkeypatch, tmp
     path = find_heads(target)
     assert path is not None
     params = SamplingParams(temperature=0.8)
-    ident = _identity(target, (None, None, None, f"shipped {path.name}"), None)
+    ident = _identity(target, (None, None, None, shipped_source(path)), None)
     assert ident == _identity(target, resolve_mtp(target), None)  # the key the auto proposer writes its memory under
     memory = auto_mod.memory_file(ident, ("suffix", "ngram", "mtp"), regime(params))
     memory.parent.mkdir(parents=True)

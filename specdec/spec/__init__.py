@@ -30,8 +30,20 @@ def resolve_mtp(target, heads: str | None = None, kind: str | None = None):
 
 
 def shipped_source(path: Path) -> str:
-    """The source resolve_mtp() names shipped heads by (part of auto's memory key, _identity)."""
-    return f"shipped {path.name}"
+    """The source resolve_mtp() names shipped heads by (part of auto's memory key, _identity): the file's name and
+    a digest of its safetensors header, which holds the training summary (each run's losses) and the tensors'
+    offsets. Heads retrained and shipped under the same name are other heads, and start with no memory of the old
+    ones' losses; the header is a few KB, read once per process."""
+    import hashlib
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            digest = hashlib.sha256(f.read(min(n, 1 << 24))).hexdigest()[:16]
+    except (OSError, struct.error):
+        digest = "unreadable"
+    return f"shipped {path.name} {digest}"
 
 
 AUTO_LOOKUPS = ("suffix", "ngram")  # the sources --spec auto always has, first (auto's memory is keyed by the names)
