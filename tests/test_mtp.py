@@ -18,7 +18,7 @@ from specdec.sampling import SamplingParams
 from specdec.spec import SpecConfig, build_proposer, resolve_mtp
 from specdec.spec.autok import FixedDraftLength
 from specdec.train.mtp import TrainConfig, TrainParallel, TrainSequential, train_mtp
-from specdec.weights.heads import base_fingerprint, check_base, load_heads, read_header, save_heads, shipped_heads
+from specdec.weights.heads import base_fingerprint, check_base, find_heads, load_heads, read_header, save_heads
 
 GREEDY = SamplingParams(temperature=0.0)
 N = 40
@@ -87,7 +87,7 @@ def test_shipped_heads_are_default_and_accept(target):
     r = generate(target.model, target.tokenizer, chat(target.tokenizer, CHAT_PROMPTS[0]), GREEDY, max_tokens=64,
                  proposer=proposer, draft_length=FixedDraftLength(3))
     assert r.stats.acceptance_rate > 0.05  # random heads: ~0
-    header = read_header(shipped_heads()[0])
+    header = read_header(find_heads(target))
     assert header["base"]["file"] == target.path.name and header["train"]["log"]
 
 

@@ -101,22 +101,32 @@ def acceptance(net, ids, refs, target, steps: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", nargs="+", required=True)
+    ap.add_argument("-m", "--model", default=None, help="the heads' target (default: the embedded SmolLM2; aliases as "
+                                                        "in specdec)")
     ap.add_argument("--limit", type=int, default=20, help="prompts per category (default 20)")
     ap.add_argument("-n", type=int, default=128, help="greedy answer tokens (default 128)")
     ap.add_argument("--steps", type=int, default=4, help="draft positions evaluated (default 4)")
-    ap.add_argument("--cache", default="/tmp/eagle3-curve-ref.pt")
+    ap.add_argument("--cache", default=None, help="the reference answers and features, reused when present "
+                                                  "(default /tmp/eagle3-curve-ref-MODEL.pt)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     ap.add_argument("--append", action="store_true",
                     help="keep the rows already in --json for heads files not evaluated now (their files may be gone)")
     a = ap.parse_args()
     from specdec.bench.prompts import load_prompts
-    from specdec.loader import default_model_path, load
+    from specdec.config import ModelError
+    from specdec.loader import load
+    from specdec.paths import resolve_model_path
 
-    target = load(default_model_path(), ctx=2048)
+    try:
+        target = load(resolve_model_path(a.model), ctx=2048)
+    except ModelError as e:
+        print(f"eagle3_curve: {e}", file=sys.stderr)
+        return 1
     root = Path(__file__).resolve().parents[2].parent
     prompts = load_prompts(root / "shared/data/spec_bench/question.jsonl", "mt_bench,summarization", a.limit)
-    refs = reference(target, prompts, a.n, Path(a.cache))
+    cache = Path(a.cache or f"/tmp/eagle3-curve-ref-{Path(target.path).stem}.pt")
+    refs = reference(target, prompts, a.n, cache)
     rows = []
     if a.append and a.json and Path(a.json).exists():
         named = {Path(p).name for p in a.heads}
