@@ -33,7 +33,7 @@ def shipped_source(path: Path) -> str:
     """The source resolve_mtp() names shipped heads by (part of auto's memory key, _identity): the file's name and
     a digest of its safetensors header, which holds the training summary (each run's losses) and the tensors'
     offsets. Heads retrained and shipped under the same name are other heads, and start with no memory of the old
-    ones' losses; the header is a few KB, read once per process."""
+    ones' losses. The header is a few KB (read at each call: a process resolves its heads once or twice)."""
     import hashlib
     import struct
 
