@@ -1,7 +1,7 @@
 """Interleaved A/B of forward.c builds inside whole forwards (what forward_mm_ab.py does for matmul.c): the same
-process, model and caches; each build's specdec_layers is handed to the model in turn, forward by forward, so the
-host's drift hits every build alike. Medians of --n forwards: a chain of T new tokens after CTX cached, and B
-sequences of one new token each (a batched decode step):
+process, model and caches (forward_mm_ab.compare); each build's specdec_layers is handed to the model in turn,
+forward by forward, so the host's drift hits every build alike. Medians of --n forwards: a chain of T new tokens
+after CTX cached, and B sequences of one new token each (a batched decode step):
 
     python docs/results/forward_c_ab.py CTX NAME=FILE.c[:DEFINE,...] ... [--model GGUF] [--chains 1] [--batch 8]
 """
@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-import torch
+from forward_mm_ab import compare  # docs/results/, the folder of this script
 
 from specdec import kernels
-from specdec.loader import load
 
 
 def main() -> None:
@@ -47,33 +44,11 @@ def main() -> None:
         dll.specdec_rms_norm.argtypes = ref.specdec_rms_norm.argtypes
         dll.fns = ref.fns
         libs[name] = dll
-    torch.manual_seed(0)
-    model = load(a.model, ctx=2048).model
-    ctx = a.ctx
-    tokens = torch.randint(0, 40000, (8, ctx + 64))
-    pool = model.new_pool(8, ctx + 80)
-    seqs = [pool.acquire() for _ in range(8)]
-    for b, c in enumerate(seqs):
-        model.prefill(tokens[b, :ctx].tolist(), c)
-    cases = [("chain", int(T)) for T in a.chains.split(",") if T] + [("batch", int(B)) for B in a.batch.split(",") if B]
-    with torch.inference_mode():
-        for kind, n in cases:
-            times: dict[str, list[float]] = {k: [] for k in libs}
-            for _ in range(a.n):
-                for name, lib in libs.items():
-                    kernels.forward_lib = lambda lib=lib: lib
-                    t = time.perf_counter()
-                    if kind == "chain":
-                        model(tokens[:1, ctx:ctx + n], torch.arange(ctx, ctx + n), seqs[0], exact=True)
-                    else:
-                        model.forward_batch([(c, [int(tokens[b, ctx])], [ctx], None) for b, c in enumerate(seqs[:n])])
-                    times[name].append(time.perf_counter() - t)
-                    for c in seqs:
-                        c.rollback(ctx)
-            med = {k: statistics.median(v) for k, v in times.items()}
-            base = next(iter(med.values()))
-            print(f"ctx {ctx} {kind} {n}: " + "  ".join(f"{k} {m * 1e3:.2f} ms ({base / m:.3f}x)"
-                                                       for k, m in med.items()), flush=True)
+
+    def use(lib: ctypes.CDLL) -> None:
+        kernels.forward_lib = lambda: lib
+
+    compare(a.model, a.ctx, a.chains, a.batch, {name: (lambda lib=lib: use(lib)) for name, lib in libs.items()}, a.n)
 
 
 if __name__ == "__main__":

@@ -40,44 +40,50 @@ def main() -> None:
         src, _, defs = spec.partition(":")
         builds[name] = build(Path(src), tmp / f"{name}.so", tuple(d for d in defs.split(",") if d))
     fwd = kernels.forward_lib()
+
+    def use(lib: ctypes.CDLL) -> None:
+        fwd.fns[0] = ctypes.cast(lib.specdec_matmul, ctypes.c_void_p).value
+        kernels.matmul_lib = lambda: lib
+
+    compare(a.model, ctx, a.chains, a.batch, {name: (lambda lib=lib: use(lib)) for name, lib in builds.items()})
+
+
+def compare(model_path: str | None, ctx: int, chains: str, batch: str, builds: dict, n: int = 30) -> None:
+    """Time whole forwards of the model, each build put in place by its callable builds[NAME]() just before its
+    forward, interleaved forward by forward; print the medians of n per case (chains "1,4", batch sizes "8")."""
     torch.manual_seed(0)
-    model = load(a.model, ctx=2048).model
+    model = load(model_path, ctx=2048).model
     tokens = torch.randint(0, 40000, (8, ctx + 64))
     pool = model.new_pool(8, ctx + 80)
     seqs = [pool.acquire() for _ in range(8)]
     for b, c in enumerate(seqs):
         model.prefill(tokens[b, :ctx].tolist(), c)
     cache = seqs[0]
-
-    def use(lib: ctypes.CDLL) -> None:
-        fwd.fns[0] = ctypes.cast(lib.specdec_matmul, ctypes.c_void_p).value
-        kernels.matmul_lib = lambda: lib
-
-    cases = [("chain", int(T)) for T in a.chains.split(",")] + [("batch", int(B)) for B in a.batch.split(",") if B]
+    cases = [("chain", int(T)) for T in chains.split(",") if T] + [("batch", int(B)) for B in batch.split(",") if B]
     one: dict[str, float] = {}
     with torch.inference_mode():
-        for kind, n in cases:
+        for kind, n_rows in cases:
             times: dict[str, list[float]] = {k: [] for k in builds}
-            for _ in range(30):
-                for name, lib in builds.items():
-                    use(lib)
+            for _ in range(n):
+                for name, put in builds.items():
+                    put()
                     t = time.perf_counter()
                     if kind == "chain":
-                        model(tokens[:1, ctx:ctx + n], torch.arange(ctx, ctx + n), cache, exact=True)
+                        model(tokens[:1, ctx:ctx + n_rows], torch.arange(ctx, ctx + n_rows), cache, exact=True)
                     else:
-                        model.forward_batch([(c, [int(tokens[b, ctx])], [ctx], None) for b, c in enumerate(seqs[:n])])
+                        model.forward_batch([(c, [int(tokens[b, ctx])], [ctx], None)
+                                             for b, c in enumerate(seqs[:n_rows])])
                     times[name].append(time.perf_counter() - t)
                     for c in seqs:
                         c.rollback(ctx)
             med = {k: statistics.median(v) for k, v in times.items()}
             base = next(iter(med.values()))
-            if kind == "chain" and n == 1:
+            if kind == "chain" and n_rows == 1:
                 one = med
             vt = "  ".join(f"v {m / one[k]:.2f}" for k, m in med.items()) if kind == "chain" and one else ""
-            print(f"ctx {ctx} {kind} {n}: " + "  ".join(f"{k} {m * 1e3:.2f} ms ({base / m:.2f}x)"
-                                                       for k, m in med.items()) + (f"   {vt}" if vt else ""),
+            print(f"ctx {ctx} {kind} {n_rows}: " + "  ".join(f"{k} {m * 1e3:.2f} ms ({base / m:.2f}x)"
+                                                            for k, m in med.items()) + (f"   {vt}" if vt else ""),
                   flush=True)
-
 
 if __name__ == "__main__":
     main()
