@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
 
 # PyTorch's CPU allocator backs large tensors with transparent huge pages when asked to; the weight matrices then
 # cost fewer TLB misses (~4% faster decode measured on SmolLM2). Must be set before torch is imported.
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)  # it imports torch once its prompt's encoder has started
-        set_threads(args)
+        set_threads(args, defer_meta=args.command in ("serve", "demo"))
         if args.command == "bench":
             from .bench.run import cmd_bench
 
@@ -277,14 +278,36 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def set_threads(args) -> None:
+class _DeferredTorchModule(types.ModuleType):
+    """Stands in for `torch._meta_registrations` while torch is first imported, and runs the real module the first
+    time anything reads from it. That module registers Python shape functions for the "meta" device (fake tensors:
+    torch.compile, torch.export, transformers' empty-weight model init), which specdec's own model never uses;
+    importing it is ~0.3 s of torch's ~1.2 s import and 18 MB (docs/results/startup-meta-1207g.txt). Ops on real
+    tensors never consult it; without it, meta-device fft / conv / multinomial raise NotImplementedError."""
+
+    NAME = "torch._meta_registrations"
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):  # the import system probing the stub (__spec__, __path__, ...)
+            raise AttributeError(attr)
+        import importlib
+
+        if sys.modules.get(self.NAME) is self:
+            del sys.modules[self.NAME]
+        return getattr(importlib.import_module(self.NAME), attr)
+
+
+def set_threads(args, defer_meta: bool = False) -> None:
     """Import torch (the first import of it: ~1.2 s) and give it -t's thread count. The first import runs with the
     cycle collector paused and then freezes what it made (gc.freeze: ~170k objects no collection scans again):
     collecting them while they were made (~370 collections) cost 0.12 s of the import's 1.26 s, and one full
     collection over them afterwards 53-64 ms, a pause in whatever was decoding then
-    (docs/results/startup-gc-1207d.txt)."""
+    (docs/results/startup-gc-1207d.txt). With defer_meta (the commands that only run specdec's own model: generate,
+    serve, demo), torch's meta-device registrations wait for first use (_DeferredTorchModule)."""
     import gc
 
+    if defer_meta and "torch" not in sys.modules:
+        sys.modules.setdefault(_DeferredTorchModule.NAME, _DeferredTorchModule(_DeferredTorchModule.NAME))
     if "torch" not in sys.modules and gc.isenabled():
         gc.disable()
         try:
@@ -427,12 +450,20 @@ def cmd_generate(args) -> int:
     if args.n_predict <= 0:
         raise ValueError("-n must be > 0")
     early = None if batch_file else early_prompt(args, text)
-    set_threads(args)
+    set_threads(args, defer_meta=True)
     from .generate import generate
 
     params = sampling_params(args)
     spec_config(args)  # flags are checked before the (slow) load
+    # the helper's ids are collected before the weights are touched, so its memory (190 MB for Gemma's tokenizer,
+    # built in ~1.1 s) is freed before the model's pages come in: docs/results/startup-meta-1207g.txt
+    t = time.perf_counter()
+    ids = early[1].ids() if early else None
+    wait = time.perf_counter() - t
     target = load_model(args, tokenizer=early[0] if early else None)
+    if early:
+        target.load_split["waiting for the prompt's encoder"] = wait
+        target.load_seconds += wait
     spec, mtp = spec_config(args, target, params)
     kind = spec.kind
     draft = load_model(args, "model_draft", target) if kind == "draft" else None
@@ -441,12 +472,6 @@ def cmd_generate(args) -> int:
     if batch_file:
         return generate_batch(args, target, draft, spec, mtp, params)
     proposer = build_proposer(spec, target, params, draft, mtp)
-    ids = None
-    if early:
-        t = time.perf_counter()
-        ids = early[1].ids()
-        target.load_split["waiting for the prompt's encoder"] = wait = time.perf_counter() - t
-        target.load_seconds += wait
     if ids is None:
         ids = prompt_tokens(target.tokenizer, text, args.chat, args.system)
 

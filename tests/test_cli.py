@@ -131,6 +131,26 @@ def test_a_draft_of_another_vocabulary_is_refused_before_its_weights_load(monkey
     assert loaded == [None]  # the target only
 
 
+def test_decode_commands_defer_torch_meta_registrations():
+    """generate / serve / demo import torch without running torch._meta_registrations (0.3 s): in a fresh process
+    its stand-in is in place, real tensors compute, a meta-device fft (a Python-only shape function) is not
+    registered yet; the first read from the module runs it and the fft works. Without defer_meta the real module
+    is there from the start."""
+    code = ("import argparse, sys; from specdec.cli import set_threads; "
+            "set_threads(argparse.Namespace(threads=1), defer_meta=sys.argv[1] == '1'); import torch; "
+            "m = sys.modules['torch._meta_registrations']; x = torch.arange(6.0).reshape(2, 3); "
+            "print(type(m).__name__, float((x @ x.T).sum()), end=' ')\n"
+            "def fft():\n"
+            "    try: torch.fft.rfft(torch.empty(8, device='meta')); return 'fft'\n"
+            "    except NotImplementedError: return 'no-fft'\n"
+            "print(fft(), end=' '); import torch._decomp; f = m.meta_index_Tensor; "
+            "print(type(sys.modules['torch._meta_registrations']).__name__, fft())")
+    runs = {flag: subprocess.run([sys.executable, "-c", code, flag], capture_output=True, text=True, timeout=120,
+                                 check=True).stdout.split() for flag in "10"}
+    assert runs["1"] == ["_DeferredTorchModule", "83.0", "no-fft", "module", "fft"]
+    assert runs["0"] == ["module", "83.0", "fft", "module", "fft"]
+
+
 def test_first_torch_import_pauses_the_collector_and_freezes():
     """set_threads imports torch with the cycle collector paused (a fresh process: in this one torch is imported
     already) and then freezes the objects it made: a collector left off, or nothing frozen, fails this."""
