@@ -12,6 +12,7 @@ from tiny_models import write_hf
 from specdec.cli import main
 from specdec.tokenizer import CHATML_TEMPLATE, GEMMA_TEMPLATE
 from specdec.train.data import (
+    LOW_YIELD_AFTER,
     SPEC_BENCH,
     DataConfig,
     FilterConfig,
@@ -19,6 +20,7 @@ from specdec.train.data import (
     derive_seed,
     is_english,
     is_looping,
+    low_yield_warning,
     make_data,
     meta_path,
     prefix_tokens,
@@ -212,6 +214,21 @@ def test_strict_filters_count_every_dropped_candidate(tiny, seeds, tmp_path):
     data, meta, s = run(tiny, out, config(seeds, n_prompts=2, max_tries=3, filters=FilterConfig()))
     assert s["magpie"] == 0 and s["candidates"] == 6 and sum(s["dropped"].values()) == 6  # junk: all dropped
     assert meta["progress"]["counts"] == s["dropped"] and len(data.splitlines()) == 2  # the seed prompts only
+
+
+def test_low_yield_is_said_once_with_what_to_do(tiny, seeds, tmp_path, capsys):
+    """A model whose Magpie candidates nearly all fail the filters gets one line saying so early (after
+    LOW_YIELD_AFTER candidates), naming the filter and pointing to --seed-prompts; a working run gets none."""
+    assert low_yield_warning({"unfinished": 60, "loop": 2}, LOW_YIELD_AFTER - 1, 0) is None  # too early to judge
+    assert low_yield_warning({"unfinished": 50}, 64, 4) is None  # 6% kept
+    note = low_yield_warning({"unfinished": 61, "loop": 2}, 64, 1)
+    assert "1 of 64" in note and "'unfinished'" in note and "--prompt-max" in note and "--seed-prompts" in note
+    assert "--prompt-max" not in low_yield_warning({"loop": 64}, 64, 0)
+    run(tiny, tmp_path / "strict.jsonl", config(seeds, n_prompts=4, max_tries=20, filters=FilterConfig()))
+    err = capsys.readouterr().err
+    assert err.count("Magpie candidates kept so far") == 1 and "0 of 64" in err  # junk from a random model
+    run(tiny, tmp_path / "open.jsonl", config(seeds, n_prompts=80, max_tries=1))
+    assert "kept so far" not in capsys.readouterr().err
 
 
 def test_other_settings_or_model_are_refused(tiny, seeds, tmp_path):

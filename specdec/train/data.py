@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -318,6 +319,22 @@ def _complete_lines(path: Path) -> list[bytes]:
     return path.read_bytes().split(b"\n")[:-1]
 
 
+LOW_YIELD_AFTER = 64  # Magpie candidates tried before make-data judges the yield
+LOW_YIELD = 0.05  # kept share below which it says so
+
+
+def low_yield_warning(counts: dict[str, int], candidates: int, kept: int) -> str | None:
+    """One line when Magpie prompting is not working for this model (under LOW_YIELD of LOW_YIELD_AFTER or more
+    candidates kept), naming the filter that drops most and what to do; else None. Gemma-3-270M, for one, rarely
+    ends its own user turn: 3 of 208 candidates kept (README, "12-07, sixth")."""
+    if candidates < LOW_YIELD_AFTER or kept >= LOW_YIELD * candidates:
+        return None
+    why, n = max(counts.items(), key=lambda kv: kv[1], default=("", 0))
+    hint = ("the model rarely ends its own user turn: try a larger --prompt-max, " if why == "unfinished" else "")
+    return (f"warning: only {kept} of {candidates} Magpie candidates kept so far ({n} dropped as {why!r}); "
+            f"{hint}or give prompts with --seed-prompts FILE --n-prompts 0 (the model answers them itself)")
+
+
 def make_data(target, out: str | Path, cfg: DataConfig) -> dict:
     """Write (or continue) the data file `out`; returns the run's summary (counts, answers, tokens, seconds)."""
     from ..engine import Engine
@@ -398,6 +415,7 @@ def make_data(target, out: str | Path, cfg: DataConfig) -> dict:
         if n_magpie < cfg.n_prompts and j < limit:
             engine = Engine(model, max_batch=cfg.batch + 1, max_len=len(prefix_ids) + cfg.prompt_max + 1)
             prefix = engine.prefill_prefix(prefix_ids)  # prefilled once, copied into every candidate's slot
+            j0, kept0, warned = j, n_magpie, False  # this run's yield (a resumed run judges its own candidates)
             while n_magpie < cfg.n_prompts and j < limit:
                 js = list(range(j, min(j + cfg.batch, limit)))
                 cands = sample_prompts(engine, prefix, [derive_seed(cfg.seed, 0, x) for x in js], cfg, eog)
@@ -414,6 +432,9 @@ def make_data(target, out: str | Path, cfg: DataConfig) -> dict:
                 write(f, bar, kept)
                 save(j, dict(filters.counts))
                 bar.set_postfix(candidates=j, kept=n_magpie)
+                if not warned and (note := low_yield_warning(filters.counts, j - j0, n_magpie - kept0)):
+                    bar.write(note, file=sys.stderr)
+                    warned = True
             engine.release_prefix(prefix)
     save(j, dict(filters.counts))
     return {"lines": len(rows), "seed": len(seeds), "magpie": n_magpie, "candidates": j, "wanted": cfg.n_prompts,
