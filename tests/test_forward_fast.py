@@ -137,3 +137,24 @@ def test_gemma3_and_qk_norm_layers_run_in_c(tmp_path, arch):
     # roundings move logits by ~1-4%, as they do between any two orders of the same sums)
     assert (chain_c - chain_py).abs().max() <= 1e-5 * chain_py.abs().max()
     assert not torch.equal(chain_c, chain_py)  # the C path ran (its roundings differ)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_elementwise_steps_shared_among_threads_keep_rows_bitwise(tmp_path, arch):
+    """forward.c shares its elementwise steps (Gemma's GELU, in place row after row; the q / k head norms; the
+    norms after attention and FFN) among the threads from PAR_MIN elements on: 12 rows of the tiny models' FFN (128)
+    cross it. Each of the 12 verification rows must still be bitwise its decode step (a row overwritten before it
+    was read, or an element computed differently on another thread, would show here)."""
+    from tiny_models import write_hf
+
+    from specdec.loader import load
+
+    m = load(write_hf(arch, tmp_path / "m", seed=3), ctx=64, quant="int4", dtype="f32").model
+    assert m.fast_layers() is not None
+    tokens = list(range(30, 42))
+    cache = prefilled(m, list(range(3, 23)))
+    chain, _ = m(torch.tensor([tokens]), torch.arange(20, 32), cache, exact=True)
+    cache.rollback(20)
+    for i, t in enumerate(tokens):
+        step, _ = m(torch.tensor([[t]]), torch.tensor([20 + i]), cache, exact=True)
+        assert torch.equal(chain[0, i], step[0, 0]), i

@@ -41,6 +41,9 @@ enum {
 };
 
 #define P(v) ((void *)(intptr_t)(v))
+#ifndef PAR_MIN
+#define PAR_MIN 1024 /* elements of an elementwise step below which it runs on the calling thread alone */
+#endif
 
 static inline float get(const void *x, int bf16, long i) {
     if (!bf16) return ((const float *)x)[i];
@@ -81,18 +84,21 @@ void specdec_rms_norm(const void *x, int T, int dim, const float *w, float eps, 
 }
 
 /* RMSNorm (Zhang & Sennrich 2019) of each of the n_heads heads (D wide) of each of T rows of width row, in place,
-   times w [n_heads, D] (Gemma 3's q / k norms: each row computed alone, so batch-invariant) */
+   times w [n_heads, D] (Gemma 3's q / k norms: each row computed alone, so batch-invariant). The (row, head) pairs
+   are shared among the threads, each pair computed whole by one of them as before, so the results are the same
+   bitwise whatever the thread count. */
 static void head_norms(void *x, int bf16, int T, long row, int n_heads, int D, const float *w, float eps) {
-    for (int t = 0; t < T; t++)
-        for (int h = 0; h < n_heads; h++) {
-            long at = t * row + (long)h * D;
-            float r = inv_rms(x, bf16, at, D, eps);
-            for (int d = 0; d < D; d++) put(x, bf16, at + d, get(x, bf16, at + d) * r * w[h * D + d]);
-        }
+#pragma omp parallel for schedule(static) if ((long)T * n_heads * D >= PAR_MIN)
+    for (long th = 0; th < (long)T * n_heads; th++) {
+        long t = th / n_heads, h = th % n_heads, at = t * row + h * D;
+        float r = inv_rms(x, bf16, at, D, eps);
+        for (int d = 0; d < D; d++) put(x, bf16, at + d, get(x, bf16, at + d) * r * w[h * D + d]);
+    }
 }
 
 /* x += RMSNorm(y) w, row by row (the sandwich norm before a residual add, Gemma 2 / 3) */
 static void norm_add(void *x, const void *y, int bf16, int T, int dim, const float *w, float eps) {
+#pragma omp parallel for schedule(static) if (T > 1 && (long)T * dim >= PAR_MIN) /* rows whole, as head_norms */
     for (int t = 0; t < T; t++) {
         long at = (long)t * dim;
         float r = inv_rms(y, bf16, at, dim, eps);
@@ -102,14 +108,21 @@ static void norm_add(void *x, const void *y, int bf16, int T, int dim, const flo
 }
 
 /* h [T, 2 ffn] (gate | up per row) -> [T, ffn] in place: GELU (tanh approximation, Hendrycks & Gimpel 2016) of the
-   gate times up; rows in order, so row t's output never overwrites an input not yet read */
+   gate times up; rows in order, so row t's output never overwrites an input not yet read (row t writes [t ffn,
+   (t + 1) ffn), which only rows below t / 2 + 1 read, and within row 0 element i only itself). Each row's elements
+   are shared among the threads (a barrier ends each row), every element the same scalar code, so the result is the
+   same bitwise whatever the thread count. Serial, libm's tanhf was ~11% of a Gemma-3-270M forward at T = 9 and
+   the other thread waited meanwhile (docs/results/forward-par-1207g.txt). */
 static void gelu_mul(void *h, int bf16, int T, int ffn) {
-    for (int t = 0; t < T; t++)
+#pragma omp parallel if ((long)T * ffn >= PAR_MIN)
+    for (int t = 0; t < T; t++) {
+#pragma omp for schedule(static)
         for (int i = 0; i < ffn; i++) {
             float g = get(h, bf16, 2L * t * ffn + i), u = get(h, bf16, (2L * t + 1) * ffn + i);
             float e = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
             put(h, bf16, (long)t * ffn + i, e * u);
         }
+    }
 }
 
 static int linear(matmul_fn mm, const int64_t *l, const void *x, int T, int K, void *y, int bf16,
