@@ -168,6 +168,23 @@ def test_fused_norm_swiglu_residual():
         assert torch.equal(w2.apply(h[:T], residual=x[:T]), y[:T])
 
 
+def test_fused_gelu_gate():
+    """swiglu = 2 (Gemma's FFN in forward.c): GELU (tanh approximation) of the gate half times the up half, on the
+    very f32 sums the plain product gives, so it is torch's gelu of those within float rounding; rows batch-invariant.
+    Gates from about -20 to 20 cover both branches of its sigmoid (exp of -|2 z| only) and its saturation."""
+    k, ffn = 640, 2048
+    w13 = Int4Linear(weights(2 * ffn, k, seed=12), None)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(13)) * 4
+    gate, up = w13(x).chunk(2, dim=-1)
+    assert gate.min() < -10 and gate.max() > 10
+    h = w13._kernel(x, swiglu=2)
+    ref = torch.nn.functional.gelu(gate.double(), approximate="tanh") * up.double()
+    torch.testing.assert_close(h.double(), ref, atol=2e-6 * ref.abs().max().item(), rtol=1e-5)
+    assert not torch.equal(h, w13._kernel(x, swiglu=True))  # not the SiLU
+    for T in range(1, 6):
+        assert torch.equal(w13._kernel(x[T - 1:T], swiglu=2), h[T - 1:T])
+
+
 @pytest.mark.skipif(kernels.matmul_lib() is None, reason="no matmul kernel on this CPU")
 def test_symmetric_int4_reads_no_zeros():
     """Codes with every zero 0 (GGUF Q4_0) keep no zeros tensor; the kernel then uses -8 s itself: bitwise the
@@ -458,8 +475,8 @@ def test_int8_extreme_codes_are_exact(T):
 
 def _every_format_outputs() -> dict[str, torch.Tensor]:
     """Outputs of one layer per weight format (int4, int8, Q4K, Q5K, Q5_0, Q5_1, Q6K; random GGUF blocks, fixed
-    seeds) for 1, 3, 4, 7 and 13 rows of f32 and bf16 activations: what test_avx2_path_is_the_avx512_path compares
-    between two builds of the kernel."""
+    seeds), and of int4 with the fused SiLU and GELU gates, for 1, 3, 4, 7 and 13 rows of f32 and bf16 activations:
+    what test_avx2_path_is_the_avx512_path compares between two builds of the kernel."""
     from specdec.quant import make_linear
     from specdec.weights.gguf import own_codes
 
@@ -475,11 +492,15 @@ def _every_format_outputs() -> dict[str, torch.Tensor]:
         layers[qtype] = make_linear(lambda: None, None, torch.bfloat16, "int4" if qtype == "Q4_K" else "auto",
                                     8.0 * size / per, codes)
     out = {}
+    glu = Int4Linear(weights(64, k, 3), None)  # gate | up halves for the fused SiLU and GELU
     for name, lin in layers.items():
         for T in (1, 3, 4, 7, 13):
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(T, k, generator=torch.Generator().manual_seed(T)) * 2).to(dtype)
                 out[f"{name} T={T} {dtype}"] = lin(x)
+                if name == "int4":
+                    out[f"swiglu T={T} {dtype}"] = glu._kernel(x * 4, swiglu=True)
+                    out[f"gelu T={T} {dtype}"] = glu._kernel(x * 4, swiglu=2)
     return out
 
 

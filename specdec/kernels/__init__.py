@@ -515,12 +515,13 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-           n: int, norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
+           n: int, norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool | int = False,
            residual: torch.Tensor | None = None, widen: bool = False) -> torch.Tensor:
     """y = x W^T for x [..., K] (f32 or bf16) and a weight [n, K] packed by pack_int4 (bits 4), pack_codes4 with
     pack_q4k's scales (bits Q4K, zeros None) or pack_int8 (bits 8) -> [..., n] in
-    x's dtype; fused (see matmul.c): norm (f32 [K]) RMS-normalizes x's rows first, swiglu returns
-    silu(first half) * second half [..., n / 2], residual [..., n or n / 2] is added. widen: float32 out, bitwise
+    x's dtype; fused (see matmul.c): norm (f32 [K]) RMS-normalizes x's rows first, swiglu (True or 1) returns
+    silu(first half) * second half [..., n / 2] (2: GELU, tanh approximation, in place of silu), residual [..., n or
+    n / 2] is added. widen: float32 out, bitwise
     what `.float()` of the x-dtype result gives, without that second pass (an output head's logits)."""
     k, dtype = x.shape[-1], x.dtype
     if dtype not in DTYPES:

@@ -3,10 +3,11 @@
    output projection + residual, fused RMSNorm + gate/up + SwiGLU, down projection + residual) issued from C for
    layers [i0, i1), instead of from Python, where each call cost ~5-7 us of wrapper code (tensor allocation, checks,
    ctypes) on top of its kernel: ~1 ms of a 3.9 ms SmolLM2 decode step (docs/results/forward-fast.txt). The q / k
-   head norms (Qwen3, Gemma 3) and Gemma's norms after attention and FFN and its GELU run here in plain C, each row
-   alone (so batch-invariant), instead of ~25 small PyTorch ops a Gemma layer (docs/results/forward-gemma.txt); their
-   roundings are not those of the PyTorch ops, so for those layers the two paths agree closely, not bitwise
-   (tested).
+   head norms (Qwen3, Gemma 3) and Gemma's norms after attention and FFN run here in plain C, each row alone (so
+   batch-invariant), and Gemma's GELU in the gate/up matmul as SwiGLU's SiLU is (matmul.c's swiglu = 2, on the f32
+   sums, with the exp of its SiLU: no libm tanhf, no pass of its own; docs/results/forward-par-1207g.txt), instead
+   of ~25 small PyTorch ops a Gemma layer (docs/results/forward-gemma.txt); their roundings are not those of the
+   PyTorch ops, so for those layers the two paths agree closely, not bitwise (tested).
 
    The kernels are the very functions the Python path calls (their addresses in the loaded matmul and attention
    libraries), with the same arguments, so every Llama-family output is bitwise the Python path's (tested). The
@@ -107,33 +108,16 @@ static void norm_add(void *x, const void *y, int bf16, int T, int dim, const flo
     }
 }
 
-/* h [T, 2 ffn] (gate | up per row) -> [T, ffn] in place: GELU (tanh approximation, Hendrycks & Gimpel 2016) of the
-   gate times up; rows in order, so row t's output never overwrites an input not yet read (row t writes [t ffn,
-   (t + 1) ffn), which only rows below t / 2 + 1 read, and within row 0 element i only itself). Each row's elements
-   are shared among the threads (a barrier ends each row), every element the same scalar code, so the result is the
-   same bitwise whatever the thread count. Serial, libm's tanhf was ~11% of a Gemma-3-270M forward at T = 9 and
-   the other thread waited meanwhile (docs/results/forward-par-1207g.txt). */
-static void gelu_mul(void *h, int bf16, int T, int ffn) {
-#pragma omp parallel if ((long)T * ffn >= PAR_MIN)
-    for (int t = 0; t < T; t++) {
-#pragma omp for schedule(static)
-        for (int i = 0; i < ffn; i++) {
-            float g = get(h, bf16, 2L * t * ffn + i), u = get(h, bf16, (2L * t + 1) * ffn + i);
-            float e = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-            put(h, bf16, (long)t * ffn + i, e * u);
-        }
-    }
-}
-
 static int linear(matmul_fn mm, const int64_t *l, const void *x, int T, int K, void *y, int bf16,
                   const float *norm, float eps, int swiglu, const void *residual) {
     return mm(x, T, K, (int)l[4], (int)l[3], P(l[0]), P(l[1]), P(l[2]), y, bf16, norm, eps, swiglu, residual);
 }
 
 /* layers [i0, i1) of records L over T rows: x [T, dim] (in place), scratch qkv [T, (H + 2 Hkv) D], o [T, H D],
-   h [T, 2 ffn], y [T, dim]; kv / kt: each layer's values [Hkv, S, D] and key tiles; cos / sin (and the local tables of
-   sliding layers) f32 [T, D]; slots [T]; spans / tails of the full and the sliding plan (kernels.row_spans); n_feat
-   features: layer feat_layer[j]'s input rows copied to feats [T, feat_row] at column feat_col[j]; out_norm (f32
+   h [T, ffn] (act(gate) * up), y [T, dim]; kv / kt: each layer's values [Hkv, S, D] and key tiles; cos / sin (and
+   the local tables of sliding layers) f32 [T, D]; slots [T]; spans / tails of the full and the sliding plan
+   (kernels.row_spans); n_feat features: layer feat_layer[j]'s input rows copied to feats [T, feat_row] at column
+   feat_col[j]; out_norm (f32
    [dim], or NULL): the final RMSNorm of x's rows into out [T, dim], with out_eps (in PyTorch its 4 small ops cost a
    SmolLM2 decode step 0.15 ms, their code cold after the layers streamed the weights: docs/results/step-glue-1206.txt).
    Returns 0, or the first failing kernel's code (-1: out of memory, -2: shapes). */
@@ -169,8 +153,7 @@ int specdec_layers(const int64_t *L, int i0, int i1, const int64_t *kv, const in
         } else if ((rc = linear(mm, l + O, o, T, H * D, x, bf16, 0, 0.0f, 0, x))) {
             return rc;
         }
-        if ((rc = linear(mm, l + W13, x, T, dim, h, bf16, P(l[FFN_NORM]), eps, !l[GELU], 0))) return rc;
-        if (l[GELU]) gelu_mul(h, bf16, T, ffn);
+        if ((rc = linear(mm, l + W13, x, T, dim, h, bf16, P(l[FFN_NORM]), eps, l[GELU] ? 2 : 1, 0))) return rc;
         if (l[POST_FFW_NORM]) {
             if ((rc = linear(mm, l + W2, h, T, ffn, y, bf16, 0, 0.0f, 0, 0))) return rc;
             norm_add(x, y, bf16, T, dim, P(l[POST_FFW_NORM]), eps);

@@ -62,8 +62,8 @@
 
    Fused around the product, so that a transformer layer is fewer small ops: an RMSNorm of each input row before it is
    quantized (x / sqrt(mean(x^2) + eps) * w, Zhang & Sennrich 2019), and after the product either SwiGLU (the weight
-   is gate rows then up rows; the output is silu(gate) * up, both halves' blocks computed by the same thread) or a
-   residual add (y = r + x W^T). Each is per row, so batch invariance is kept. */
+   is gate rows then up rows; the output is silu(gate) * up, or GELU(gate) * up (Gemma), both halves' blocks computed
+   by the same thread) or a residual add (y = r + x W^T). Each is per row, so batch invariance is kept. */
 
 #include <math.h>
 #include <pthread.h>
@@ -315,6 +315,17 @@ static inline __m512 silu_mul(__m512 g, __m512 u) {
     return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u);
 }
 
+/* GELU (tanh approximation, Hendrycks & Gimpel 2016) of g, times u: 0.5 g (1 + tanh(z)) = g sigmoid(2 z) with
+   z = sqrt(2 / pi) (g + 0.044715 g^3), the sigmoid taken as silu_mul takes it (2 z has g's sign) */
+static inline __m512 gelu_mul(__m512 g, __m512 u) {
+    __m512 z2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f), g),
+                              _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(g, g), _mm512_set1_ps(1.0f)));
+    __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z2)));
+    __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
+    return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u);
+}
+
 /* y stored at out + i: bf16 1, rounded to bf16 (to nearest even, as torch does); WIDEN, rounded the same and stored
    as the f32 it widens to; 0, f32 as computed */
 static inline void store_out(void *out, int bf16, long i, __m512 y) {
@@ -518,11 +529,12 @@ static inline __attribute__((always_inline)) void block_int8_n(const uint8_t *w,
         _mm512_storeu_ps(acc_out + r * LANES, _mm512_mul_ps(_mm512_sub_ps(y[r], _mm512_set1_ps(c[t0 + r])), sr));
 }
 
-/* The 16 outputs of one row and block from acc (f32 [16]): SwiGLU with up (the block's up half) when given, the
-   residual added when given, stored at y + i. */
-static inline void out16(const float *acc, const float *up, const void *residual, void *y, int bf16, long i) {
+/* The 16 outputs of one row and block from acc (f32 [16]): SwiGLU with up (the block's up half) when given (GELU
+   in place of SiLU with gelu), the residual added when given, stored at y + i. */
+static inline void out16(const float *acc, const float *up, int gelu, const void *residual, void *y, int bf16,
+                         long i) {
     __m512 v = _mm512_loadu_ps(acc);
-    if (up) v = silu_mul(v, _mm512_loadu_ps(up));
+    if (up) v = gelu ? gelu_mul(v, _mm512_loadu_ps(up)) : silu_mul(v, _mm512_loadu_ps(up));
     if (residual) v = _mm512_add_ps(load_out(residual, bf16, i), v);
     store_out(y, bf16, i, v);
 }
@@ -619,6 +631,15 @@ static inline __m256 silu_mul8(__m256 g, __m256 u) {
     return _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.0f))), u);
 }
 
+/* gelu_mul of the AVX-512 path */
+static inline __m256 gelu_mul8(__m256 g, __m256 u) {
+    __m256 z2 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f), g),
+                              _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), _mm256_mul_ps(g, g), _mm256_set1_ps(1.0f)));
+    __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z2)));
+    __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.0f))), u);
+}
+
 static inline void store_out8(void *out, int bf16, long i, __m256 y) { /* store_out's three ways, 8 lanes */
     if (bf16) {
         __m256i u = _mm256_castps_si256(y);
@@ -635,10 +656,11 @@ static inline void store_out8(void *out, int bf16, long i, __m256 y) { /* store_
     }
 }
 
-static inline void out16(const float *acc, const float *up, const void *residual, void *y, int bf16, long i) {
+static inline void out16(const float *acc, const float *up, int gelu, const void *residual, void *y, int bf16,
+                         long i) {
     for (int h = 0; h < 2; h++) {
         __m256 v = _mm256_loadu_ps(acc + 8 * h);
-        if (up) v = silu_mul8(v, _mm256_loadu_ps(up + 8 * h));
+        if (up) v = gelu ? gelu_mul8(v, _mm256_loadu_ps(up + 8 * h)) : silu_mul8(v, _mm256_loadu_ps(up + 8 * h));
         if (residual) v = _mm256_add_ps(load_out8(residual, bf16, i + 8 * h), v);
         store_out8(y, bf16, i + 8 * h, v);
     }
@@ -1220,8 +1242,9 @@ static int quantized_input(const void *x, int bf16, int T, int K, const float *n
    [N/16, K/256, KSUPER6 bytes] (Q6K, z unused) or a STACK table (see the header). x, y
    and residual are bf16 when bf16 is 1, f32 when 0; bf16 = WIDEN: x and residual bf16, y f32 holding the
    bf16-rounded values (what widening a bf16 result gives, written in one pass: an output head's logits).
-   norm: f32 [K] RMSNorm weight applied to x's rows first (eps inside the root), or NULL. swiglu: y [T, N/2] =
-   silu(x Wg^T) * (x Wu^T) with Wg, Wu the first and second N/2 rows. residual: y = residual + x W^T, or NULL.
+   norm: f32 [K] RMSNorm weight applied to x's rows first (eps inside the root), or NULL. swiglu 1: y [T, N/2] =
+   silu(x Wg^T) * (x Wu^T) with Wg, Wu the first and second N/2 rows; 2: GELU (tanh) in place of silu.
+   residual: y = residual + x W^T, or NULL.
    Returns 0, -1 when out of memory, -2 when the shapes are not multiples of 16 rows / 32 inputs (32 rows with
    swiglu) or the kernel is not built for this CPU. */
 int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *w, const uint16_t *s,
@@ -1256,7 +1279,7 @@ int specdec_matmul(const void *x, int T, int K, int N, int bits, const uint8_t *
             block_all(w, s, z, bits, G, b, &rows, K, T, acc);
             if (swiglu) block_all(w, s, z, bits, G, b + blocks / 2, &rows, K, T, acc + T * LANES);
             for (int t = 0; t < T; t++)
-                out16(acc + t * LANES, swiglu ? acc + (T + t) * LANES : NULL, residual, y, bf16,
+                out16(acc + t * LANES, swiglu ? acc + (T + t) * LANES : NULL, swiglu == 2, residual, y, bf16,
                       (long)t * n_out + (long)b * LANES);
         }
         if (!mine) free(acc);
@@ -1335,7 +1358,7 @@ int specdec_matmul_heads(const void *x, int H, int T, int K, int N, int bits, co
             qrows rows = qrows_at(&in, r0, G, K);
             block_all(w[h], s[h], z[h], bits, G, b, &rows, K, T, acc);
             for (int t = 0; t < T; t++)
-                out16(acc + t * LANES, NULL, NULL, y, bf16, (r0 + t) * N + b * LANES);
+                out16(acc + t * LANES, NULL, 0, NULL, y, bf16, (r0 + t) * N + b * LANES);
         }
         free(acc);
     }
@@ -1415,7 +1438,7 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
             block_all(w, s, z, bits13, G1, b, &rows, D, T, acc);
             block_all(w, s, z, bits13, G1, b + half, &rows, D, T, acc + T * LANES);
             for (int t = 0; t < T; t++)
-                out16(acc + t * LANES, acc + (T + t) * LANES, NULL, a, bf16, (long)(s0 + t) * I + (long)b * LANES);
+                out16(acc + t * LANES, acc + (T + t) * LANES, 0, NULL, a, bf16, (long)(s0 + t) * I + (long)b * LANES);
         }
         free(acc);
     }
@@ -1438,7 +1461,7 @@ int specdec_experts(const void *x, int R, int D, int k, const int64_t *ids, int 
                 block_all((const uint8_t *)p[0], (const uint16_t *)p[1], (const uint16_t *)p[2], bits2, G2, b, &rows,
                           I, T, acc);
                 for (int t = 0; t < T; t++)
-                    out16(acc + t * LANES, NULL, NULL, out, bf16, (long)order[s0 + t] * D + (long)b * LANES);
+                    out16(acc + t * LANES, NULL, 0, NULL, out, bf16, (long)order[s0 + t] * D + (long)b * LANES);
             }
             free(acc);
         }

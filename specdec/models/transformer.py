@@ -567,7 +567,7 @@ class Transformer:
         x = x.contiguous().clone()  # updated in place
         qkv = torch.empty(T, (H + 2 * Hkv) * D, dtype=x.dtype)
         o = torch.empty(T, H * D, dtype=x.dtype)
-        h = torch.empty(T, 2 * layer0.ffn_dim, dtype=x.dtype)  # gate | up before GELU (SwiGLU uses half)
+        h = torch.empty(T, layer0.ffn_dim, dtype=x.dtype)  # act(gate) * up: the gate/up matmul's SwiGLU or GELU
         y = torch.empty(T, a.dim, dtype=x.dtype) if layer0.sandwich else o  # a projection before its norm
         normed = torch.empty_like(x)
         (spans_f, tails_f), (spans_s, tails_s) = plan.full, plan.sliding
