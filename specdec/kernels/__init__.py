@@ -521,8 +521,8 @@ def matmul(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor
     pack_q4k's scales (bits Q4K, zeros None) or pack_int8 (bits 8) -> [..., n] in
     x's dtype; fused (see matmul.c): norm (f32 [K]) RMS-normalizes x's rows first, swiglu (True or 1) returns
     silu(first half) * second half [..., n / 2] (2: GELU, tanh approximation, in place of silu), residual [..., n or
-    n / 2] is added. widen: float32 out, bitwise
-    what `.float()` of the x-dtype result gives, without that second pass (an output head's logits)."""
+    n / 2] is added. widen: float32 out, bitwise what `.float()` of the x-dtype result gives, without that second
+    pass (an output head's logits)."""
     k, dtype = x.shape[-1], x.dtype
     if dtype not in DTYPES:
         x = x.float()

@@ -117,9 +117,9 @@ static int linear(matmul_fn mm, const int64_t *l, const void *x, int T, int K, v
    h [T, ffn] (act(gate) * up), y [T, dim]; kv / kt: each layer's values [Hkv, S, D] and key tiles; cos / sin (and
    the local tables of sliding layers) f32 [T, D]; slots [T]; spans / tails of the full and the sliding plan
    (kernels.row_spans); n_feat features: layer feat_layer[j]'s input rows copied to feats [T, feat_row] at column
-   feat_col[j]; out_norm (f32
-   [dim], or NULL): the final RMSNorm of x's rows into out [T, dim], with out_eps (in PyTorch its 4 small ops cost a
-   SmolLM2 decode step 0.15 ms, their code cold after the layers streamed the weights: docs/results/step-glue-1206.txt).
+   feat_col[j]; out_norm (f32 [dim], or NULL): the final RMSNorm of x's rows into out [T, dim], with out_eps (in
+   PyTorch its 4 small ops cost a SmolLM2 decode step 0.15 ms, their code cold after the layers streamed the weights:
+   docs/results/step-glue-1206.txt).
    Returns 0, or the first failing kernel's code (-1: out of memory, -2: shapes). */
 int specdec_layers(const int64_t *L, int i0, int i1, const int64_t *kv, const int64_t *kt, long tiles, int T,
                    int dim, int H, int Hkv, int D, int ffn, float eps, float scale, int bf16, void *x, void *qkv,
