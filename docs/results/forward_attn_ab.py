@@ -4,28 +4,23 @@ forward.c is handed each build's specdec_attend / specdec_rope_store in turn, ca
 (verification) plan, and with --batch B, of a batched decode step: B sequences of CTX cached tokens, one row each:
 
     python docs/results/forward_attn_ab.py CTX NAME=FILE.c[:-DFLAG ...] [NAME=FILE.c ...] [--chains 1,2,4,8,9]
-        [--batch 8]
+        [--batch 8] [--model GGUF] [--n 40]
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import tempfile
 from pathlib import Path
 
 from attention_bench import build  # docs/results/, the folder of this script
-from forward_mm_ab import compare
+from forward_mm_ab import ab_parser, compare
 
 from specdec import kernels
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("ctx", type=int)
-    ap.add_argument("builds", nargs="+", help="NAME=FILE.c[:-DFLAG ...]")
-    ap.add_argument("--chains", default="1,2,4,8,9", help="chain lengths T")
-    ap.add_argument("--batch", default="", help="batch sizes B (default: none)")
+    ap = ab_parser(__doc__, chains="1,2,4,8,9", batch="", n=40, builds="NAME=FILE.c[:-DFLAG ...]")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     fwd = kernels.forward_lib()
@@ -37,7 +32,7 @@ def main() -> None:
         libs.append(lib := build(src, tmp / f"{name}.so"))  # kept loaded
         fns = [ctypes.cast(f, ctypes.c_void_p).value for f in (lib.specdec_rope_store, lib.specdec_attend)]
         builds[name] = lambda fns=fns: fwd.fns.__setitem__(slice(1, 3), fns)
-    compare(None, a.ctx, a.chains, a.batch, builds, n=40)
+    compare(a.model, a.ctx, a.chains, a.batch, builds, a.n)
 
 
 if __name__ == "__main__":

@@ -8,26 +8,18 @@ after CTX cached, and B sequences of one new token each (a batched decode step):
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import subprocess
 import tempfile
 from pathlib import Path
 
-from forward_mm_ab import compare  # docs/results/, the folder of this script
+from forward_mm_ab import ab_parser, compare  # docs/results/, the folder of this script
 
 from specdec import kernels
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("ctx", type=int)
-    ap.add_argument("builds", nargs="+", help="NAME=FILE.c[:DEFINE,...]")
-    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
-    ap.add_argument("--chains", default="1", help="chain lengths T")
-    ap.add_argument("--batch", default="8", help="batch sizes B ('' for none)")
-    ap.add_argument("--n", type=int, default=30, help="forwards per build and case (default 30)")
-    a = ap.parse_args()
+    a = ab_parser(__doc__, chains="1").parse_args()
     tmp = Path(tempfile.mkdtemp())
     ref = kernels.forward_lib()
     libs = {}

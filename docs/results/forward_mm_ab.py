@@ -4,6 +4,7 @@ so the host's drift hits every build alike. Medians of 30 forwards: a chain of T
 verification plan; v(T) = its time over T = 1's), and B sequences of one new token each (a batched decode step):
 
     python docs/results/forward_mm_ab.py CTX NAME=FILE.c[:DEFINE,...] ... [--model GGUF] [--chains 1,4,8] [--batch 8]
+        [--n 30]
 
 e.g. `old=/tmp/old.c new=specdec/kernels/matmul.c:VNNI_ROWS4=6` (a define: a compile-time setting of matmul.c).
 """
@@ -24,14 +25,22 @@ from specdec import kernels
 from specdec.loader import load
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def ab_parser(doc: str, chains: str = "1,4,8", batch: str = "8", n: int = 30,
+              builds: str = "NAME=FILE.c[:DEFINE,...]") -> argparse.ArgumentParser:
+    """The command line of the forward A/B scripts (this one, forward_c_ab.py, forward_attn_ab.py): CTX, the builds,
+    --model, --chains, --batch and --n, with each script's defaults."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("ctx", type=int)
-    ap.add_argument("builds", nargs="+", help="NAME=FILE.c[:DEFINE,...]")
+    ap.add_argument("builds", nargs="+", help=builds)
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
-    ap.add_argument("--chains", default="1,4,8", help="chain lengths T")
-    ap.add_argument("--batch", default="8", help="batch sizes B ('' for none)")
-    a = ap.parse_args()
+    ap.add_argument("--chains", default=chains, help="chain lengths T")
+    ap.add_argument("--batch", default=batch, help="batch sizes B ('' for none)")
+    ap.add_argument("--n", type=int, default=n, help=f"forwards per build and case (default {n})")
+    return ap
+
+
+def main() -> None:
+    a = ab_parser(__doc__).parse_args()
     ctx = a.ctx
     tmp = Path(tempfile.mkdtemp())
     builds = {}
@@ -45,7 +54,7 @@ def main() -> None:
         fwd.fns[0] = ctypes.cast(lib.specdec_matmul, ctypes.c_void_p).value
         kernels.matmul_lib = lambda: lib
 
-    compare(a.model, ctx, a.chains, a.batch, {name: (lambda lib=lib: use(lib)) for name, lib in builds.items()})
+    compare(a.model, ctx, a.chains, a.batch, {name: (lambda lib=lib: use(lib)) for name, lib in builds.items()}, a.n)
 
 
 def compare(model_path: str | None, ctx: int, chains: str, batch: str, builds: dict, n: int = 30) -> None:

@@ -306,24 +306,24 @@ static void quantize_rows(const void *x, int bf16, int t0, int t1, int K, const 
     }
 }
 
-/* silu(g) * u = g u / (1 + exp(-g)), with exp taken of -|g| only: e = exp(-|g|), sigmoid = 1 / (1 + e) for g >= 0,
-   e / (1 + e) below */
-static inline __m512 silu_mul(__m512 g, __m512 u) {
-    __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+/* g sigmoid(x) u with exp taken of -|x| only: e = exp(-|x|), sigmoid = 1 / (1 + e) for x >= 0, e / (1 + e) below
+   (x has g's sign in both uses below, so the sign is g's) */
+static inline __m512 sigmoid_mul(__m512 g, __m512 x, __m512 u) {
+    __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
     __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
     __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
     return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u);
 }
 
-/* GELU (tanh approximation, Hendrycks & Gimpel 2016) of g, times u: 0.5 g (1 + tanh(z)) = g sigmoid(2 z) with
-   z = sqrt(2 / pi) (g + 0.044715 g^3), the sigmoid taken as silu_mul takes it (2 z has g's sign) */
+/* silu(g) * u = g sigmoid(g) u */
+static inline __m512 silu_mul(__m512 g, __m512 u) { return sigmoid_mul(g, g, u); }
+
+/* GELU (tanh approximation, Hendrycks & Gimpel 2016) of g, times u: 0.5 g (1 + tanh(z)) = g sigmoid(2 z) u with
+   z = sqrt(2 / pi) (g + 0.044715 g^3) */
 static inline __m512 gelu_mul(__m512 g, __m512 u) {
     __m512 z2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f), g),
                               _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(g, g), _mm512_set1_ps(1.0f)));
-    __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z2)));
-    __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
-    return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u);
+    return sigmoid_mul(g, z2, u);
 }
 
 /* y stored at out + i: bf16 1, rounded to bf16 (to nearest even, as torch does); WIDEN, rounded the same and stored
@@ -624,20 +624,19 @@ static void quantize_rows(const void *x, int bf16, int t0, int t1, int K, const 
     }
 }
 
-/* silu_mul of the AVX-512 path */
-static inline __m256 silu_mul8(__m256 g, __m256 u) {
-    __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));
+/* sigmoid_mul, silu_mul and gelu_mul of the AVX-512 path */
+static inline __m256 sigmoid_mul8(__m256 g, __m256 x, __m256 u) {
+    __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
     __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
     return _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.0f))), u);
 }
 
-/* gelu_mul of the AVX-512 path */
+static inline __m256 silu_mul8(__m256 g, __m256 u) { return sigmoid_mul8(g, g, u); }
+
 static inline __m256 gelu_mul8(__m256 g, __m256 u) {
     __m256 z2 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f), g),
                               _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), _mm256_mul_ps(g, g), _mm256_set1_ps(1.0f)));
-    __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z2)));
-    __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
-    return _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.0f))), u);
+    return sigmoid_mul8(g, z2, u);
 }
 
 static inline void store_out8(void *out, int bf16, long i, __m256 y) { /* store_out's three ways, 8 lanes */
