@@ -283,3 +283,30 @@ def test_a_new_kernel_build_removes_the_builds_no_one_loaded_for_a_month(tmp_pat
     os.utime(built[0], (time.time() - month, time.time() - month))
     assert kernels._build("sample", "none") is not None  # loaded from the cache: marked used, not rebuilt
     assert time.time() - built[0].stat().st_mtime < 3600 and len(list(tmp_path.glob("sample-*.so"))) == 2
+
+
+@pytest.mark.skipif(not kernels.attention_weights_bf16(), reason="bf16 weights need AVX-512 BF16")
+@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("n", [41, 42, 300])
+def test_bf16_cache_weighs_values_by_bf16_rounded_weights(D, n):
+    """With AVX-512 BF16, a bf16 cache's output is sum_j bf16(p_j) v_j / sum_j p_j (FlashAttention-2's P V, two
+    keys an instruction). Two keys of scores 0 and 3/512 (p = 0.99416 and 1; 0.99416 rounds to 0.99609) and values
+    +1 / -1 in column 0: their difference over the sum is -0.00196 with rounded weights, -0.00293 with f32 ones.
+    The other keys' scores are -60 (weights below bf16's smallest normal: 0)."""
+    H, Hkv = 1, 1
+    kv = torch.zeros(1, n, 2 * Hkv, D)
+    kv[0, :, 0, 0] = -60.0
+    kv[0, n - 2, 0, 0], kv[0, n - 1, 0, 0] = 0.0, 3 / 512
+    kv[0, :, 1, 1] = 0.5
+    kv[0, n - 2, 1, 0], kv[0, n - 1, 1, 0] = 1.0, -1.0
+    kv = kv.bfloat16()
+    kt = kernels.key_tiles(1, Hkv, D, n, torch.bfloat16)[0]
+    kernels.store_keys(kv[:, :, :Hkv], kt, 0)
+    qkv = torch.zeros(1, 1, H + 2 * Hkv, D, dtype=torch.bfloat16)
+    qkv[0, 0, 0, 0] = 1.0
+    out = run(qkv, kv, kt, H, Hkv, n - 1, [torch.tensor([n - 1])], scale=1.0)[0, 0].float()
+    p0 = torch.tensor(-3 / 512).exp()
+    rounded, exact = (p0.bfloat16().float() - 1) / (p0 + 1), (p0 - 1) / (p0 + 1)
+    assert abs(float(out[0]) - float(rounded)) < 0.01 * abs(float(rounded)), (float(out[0]), float(rounded))
+    assert abs(float(out[0]) - float(exact)) > 0.2 * abs(float(exact))
+    torch.testing.assert_close(out[1], torch.tensor(0.5), atol=4e-3, rtol=0)  # the other keys: weights 0 or 1

@@ -118,7 +118,15 @@ def attention_lib() -> ctypes.CDLL | None:
     r = dll.specdec_rope_store
     r.restype = None
     r.argtypes = [ptr, i, i, i, i, ptr, ptr, ptr, ptr, ctypes.c_long, ptr, i]
+    dll.specdec_attend_pairs.restype = i
     return dll
+
+
+def attention_weights_bf16() -> bool:
+    """Whether the kernel weighs a bf16 cache's values by bf16-rounded softmax weights, two keys an instruction
+    (AVX-512 BF16, as FlashAttention-2's P V; see values_pairs in attention.c)."""
+    dll = attention_lib()
+    return bool(dll is not None and dll.specdec_attend_pairs())
 
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # head sizes attention.c is built for

@@ -16,7 +16,8 @@
      queries computes it, so any slot (a tree path's scattered tail slots too) is read from its tile in place;
    - exp: a branch-free Cephes polynomial, vectorized; the softmax sum keeps 16 lanes (key i of the part in lane
      i mod 16, in key order, padding masked to exact zeros) and adds them pairwise in a fixed order;
-   - output: o[d] accumulates p_j v_j[d] over the keys in key order, vectorized over d;
+   - output: o[d] accumulates p_j v_j[d] over the keys in key order, vectorized over d (with AVX-512 BF16 and a bf16
+     cache, two keys at a time with p rounded to bf16, as FlashAttention-2 does: values_pairs);
    - a row with SPLIT or more keys is cut in two halves at a point that depends only on its number of keys, each
      half computed as above (its own max, sum and output), then merged (flash-decoding's split-KV): two threads
      share one decode step, and a row's result still depends on that row alone.
@@ -226,8 +227,9 @@ static inline __attribute__((always_inline)) void row_bf16(const uint16_t *p, vf
    keys of its part are the slots a .. b - 1 (a stretch of its consecutive run), then ntail slots tail[0..ntail). */
 typedef struct {
     const void *q; /* its query [D], in storage type */
-    long a, b, ntail;
+    long a, b, ntail, v0; /* v0: the part's first key's place in its decode step's run (see values_pairs) */
     const int64_t *tail;
+    uint32_t *w; /* its weights in bf16 pairs (values_pairs), where the outputs take that path */
     float *s;    /* scores by slot: s[slot - base], for the slots of the unit's interval */
     float *p;    /* the part's scores in key order (into s when there is no tail), then exp(s - max) */
     float *part; /* [Dv + 2]: max, sum, then sum_j exp(s_j - max) v_j */
@@ -591,6 +593,132 @@ static inline __m256 key8_bf16(const uint16_t *kt, int d, int e, int l) {
     }
 #endif
 
+/* With AVX-512 BF16, a bf16 cache's outputs sum_j p_j v_j take two keys a VDPBF16PS: in each lane, one column's
+   values of slots j, j + 1 (a bf16 pair) times the weights p_j, p_j+1 rounded to bf16, both products added into
+   the f32 accumulator. As FlashAttention-2 (Dao 2023) casts P to the inputs' type before its P V product, the
+   softmax's sum staying in f32 from the unrounded weights; half the instructions of a fused multiply-add per key
+   and column (the keys' scores already take pairs of dims, tile_at): SmolLM2's forwards at 800 cached 1.03x / 1.05x
+   at T = 4 / 9, batch 8 1.02x, Gemma-3-270M's 1.02x (docs/results/pv-pairs-1207h.txt). Columns come 64 at a time
+   (Dv a multiple of 64; narrower heads keep the f32 loop).
+   Keys are paired by their place in the run of their decode step (v0 + k for the part's key k: a chain's slot
+   itself; a tree path's tail slot, the slot it is compacted into on acceptance): pair m holds places 2m and 2m + 1,
+   a place outside the part weighs 0, and the pairs are added in order, so a row's arithmetic is the same whether it
+   runs alone, beside other rows, or as a tree node before its path is compacted: the batch invariance above. */
+#if BF16DOT
+#define PV_PAIRS 1
+/* weights: exp(s - max) (the part's n keys at p, zero past them to a multiple of 16) -> rh->w in bf16 (round to
+   nearest even), word m - (v0 >> 1) = places 2m (low half), 2m + 1 (high half) */
+static void weight_pairs(rowhead *rh, long n) {
+    uint16_t *wb = (uint16_t *)rh->w;
+    long off = rh->v0 & 1, full = (n + W - 1) / W * W;
+    wb[0] = 0;
+    for (long k = 0; k < full; k += W)
+        _mm256_storeu_si256((__m256i *)(wb + off + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(rh->p + k)));
+    wb[off + full] = wb[off + full + 1] = 0;
+}
+
+/* 64 columns of the values of slots s0, s1 (rows r0, r1) as VDPBF16PS operands: x[c] lane 4 L + i holds the pair
+   of column 8 L + i (c even) or 8 L + 4 + i (c odd), plus 32 for c >= 2 (an unpack works within 128-bit lanes);
+   order_pairs puts the sums' columns back in order. */
+static inline void value_pairs(const uint16_t *r0, const uint16_t *r1, __m512i *x) {
+    __m512i a0 = _mm512_loadu_si512(r0), a1 = _mm512_loadu_si512(r0 + 32);
+    __m512i b0 = _mm512_loadu_si512(r1), b1 = _mm512_loadu_si512(r1 + 32);
+    x[0] = _mm512_unpacklo_epi16(a0, b0), x[1] = _mm512_unpackhi_epi16(a0, b0);
+    x[2] = _mm512_unpacklo_epi16(a1, b1), x[3] = _mm512_unpackhi_epi16(a1, b1);
+}
+
+static inline void order_pairs(vf *a, vf *b) {
+    const vi m0 = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+    const vi m1 = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    vf x = __builtin_shuffle(*a, *b, m0), y = __builtin_shuffle(*a, *b, m1);
+    *a = x, *b = y;
+}
+
+/* One pair of value rows into the accumulators of the R pairs (row, head) whose run pairs [ma, mb) hold m (only:
+   all of them). */
+static inline __attribute__((always_inline)) void step_pairs(const int R, __m512 *acc, const uint16_t *v,
+                                                             long stride, const uint32_t **wr, const long *ma,
+                                                             const long *mb, long m, int only) {
+    __m512i x[4];
+    value_pairs(v + 2 * m * stride, v + (2 * m + 1) * stride, x);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) if (only || (m >= ma[r] && m < mb[r])) {
+        __m512bh w = (__m512bh)_mm512_set1_epi32((int)wr[r][m]);
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
+            acc[r * 4 + c] = _mm512_dpbf16_ps(acc[r * 4 + c], (__m512bh)x[c], w);
+    }
+}
+
+/* Columns col .. col + 63 of sum_j p_j v_j for R pairs (weight_pairs done): the pairs of places every run covers
+   (each pair of value rows loaded once for all of them), then each one's tail: the pairs from its run's last
+   (unless whole) to its last key, a place's slot being the run's or the tail's. */
+static inline __attribute__((always_inline)) void values_pairs(const int R, const uint16_t *v, long stride,
+                                                               rowhead *rh, int col) {
+    __m512 acc[MAX_RV * 4];
+    const uint32_t *wr[MAX_RV]; /* wr[r][m]: pair r's weights of places 2m, 2m + 1 */
+    long ma[MAX_RV], mb[MAX_RV], lo = 1L << 62, hi = 0, all0 = 0, all1 = 1L << 62;
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) acc[r * 4 + c] = _mm512_setzero_ps();
+        wr[r] = rh[r].w - (rh[r].v0 >> 1);
+        ma[r] = rh[r].a >> 1, mb[r] = rh[r].a < rh[r].b ? (rh[r].ntail ? rh[r].b >> 1 : (rh[r].b + 1) >> 1) : 0;
+        if (ma[r] < mb[r]) {
+            lo = ma[r] < lo ? ma[r] : lo, hi = mb[r] > hi ? mb[r] : hi;
+            all0 = ma[r] > all0 ? ma[r] : all0, all1 = mb[r] < all1 ? mb[r] : all1;
+        } else
+            ma[r] = mb[r] = 0, all0 = all1 = 0;
+    }
+    if (all0 >= all1)
+        all0 = all1 = hi;
+    v += col;
+    long m = lo;
+    for (; m < all0; m++)
+        step_pairs(R, acc, v, stride, wr, ma, mb, m, 0);
+    for (; m < all1; m++) {
+        for (int c = 0; c < 128; c += 64) { /* 16 slots ahead: cut memory latency */
+            __builtin_prefetch((const char *)(v + (2 * m + 16) * stride) + c);
+            __builtin_prefetch((const char *)(v + (2 * m + 17) * stride) + c);
+        }
+        step_pairs(R, acc, v, stride, wr, ma, mb, m, 1);
+    }
+    for (; m < hi; m++)
+        step_pairs(R, acc, v, stride, wr, ma, mb, m, 0);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+        const long a = rh[r].a, run = rh[r].b - a, v0 = rh[r].v0, vb = v0 + run, end = vb + rh[r].ntail;
+        const int64_t *tail = rh[r].tail;
+        for (long p = rh[r].ntail ? (run ? rh[r].b & ~1L : v0 & ~1L) : end; p < end; p += 2) {
+            long p0 = p < v0 ? p + 1 : p, p1 = p + 1 < end ? p + 1 : p0; /* a place outside weighs 0 */
+            long s0 = p0 < vb ? a + p0 - v0 : tail[p0 - vb], s1 = p1 < vb ? a + p1 - v0 : tail[p1 - vb];
+            __m512i x[4];
+            value_pairs(v + s0 * stride, v + s1 * stride, x);
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)wr[r][p >> 1]);
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
+                acc[r * 4 + c] = _mm512_dpbf16_ps(acc[r * 4 + c], (__m512bh)x[c], w);
+        }
+        vf o[4];
+        memcpy(o, acc + r * 4, sizeof o);
+        order_pairs(o, o + 1), order_pairs(o + 2, o + 3);
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) store_f32(rh[r].part + 2 + col + c * W, o[c]);
+    }
+}
+
+static void values_pairs_any(int R, const uint16_t *v, long stride, rowhead *rh, int D) {
+    for (int col = 0; col < D; col += 64)
+        switch (R) {
+        case 1: values_pairs(1, v, stride, rh, col); break;
+        case 2: values_pairs(2, v, stride, rh, col); break;
+        case 3: values_pairs(3, v, stride, rh, col); break;
+        case 4: values_pairs(4, v, stride, rh, col); break;
+        case 5: values_pairs(5, v, stride, rh, col); break;
+        default: values_pairs(MAX_RV, v, stride, rh, col); break;
+        }
+}
+#else
+#define PV_PAIRS 0
+static void weight_pairs(rowhead *rh, long n) { (void)rh, (void)n; }
+static void values_pairs_any(int R, const uint16_t *v, long stride, rowhead *rh, int D) {
+    (void)R, (void)v, (void)stride, (void)rh, (void)D;
+}
+#endif
+
 /* The kernel, instantiated for f32 and bf16 storage (T_ the element type, ST_ its vector store,
    PAIR_ / ORDER_ / ROW_ as above); its inner loops for a constant number R of (row, head) pairs that share a KV
    head and so each key tile and value row loaded (one instantiation for each R, dispatched at run time). */
@@ -626,7 +754,9 @@ static inline __m256 key8_bf16(const uint16_t *kt, int d, int e, int l) {
         }                                                                                                          \
     }                                                                                                              \
     static void values_any_##NAME(int R, const T_ *v, long stride, rowhead *rh, int D) {                           \
-        if (D == 16)                                                                                               \
+        if (PV_PAIRS && sizeof(T_) == 2 && D % 64 == 0)                                                            \
+            values_pairs_any(R, (const uint16_t *)v, stride, rh, D);                                               \
+        else if (D == 16)                                                                                          \
             values_cv_##NAME(1, R, v, stride, rh, 0);                                                              \
         else if (D == 32)                                                                                          \
             values_cv_##NAME(2, R, v, stride, rh, 0);                                                              \
@@ -666,8 +796,11 @@ static inline __m256 key8_bf16(const uint16_t *kt, int d, int e, int l) {
                 scores_any_##NAME(R, qt, kth + x * D * BLOCK, D, scale, rh + r0, x * BLOCK - base);                \
             }                                                                                                      \
         }                                                                                                          \
-        for (int r = 0; r < nr; r++)                                                                               \
+        for (int r = 0; r < nr; r++) {                                                                             \
             softmax_part(rh + r, base);                                                                            \
+            if (PV_PAIRS && sizeof(T_) == 2 && Dv % 64 == 0)                                                       \
+                weight_pairs(rh + r, rh[r].b - rh[r].a + rh[r].ntail);                                             \
+        }                                                                                                          \
         /* outputs, MAX_RV pairs at a time, each value row loaded once for all of them */                          \
         for (int r0 = 0; r0 < nr; r0 += MAX_RV)                                                                    \
             values_any_##NAME(nr - r0 < MAX_RV ? nr - r0 : MAX_RV, vals, stride, rh + r0, Dv);                     \
@@ -721,6 +854,7 @@ static int row_part(const rowinfo *ri, int half, rowhead *rh) {
     rh->b = ri->lo + (k1 < run ? k1 : run);
     rh->ntail = k1 > run ? k1 - (k0 > run ? k0 : run) : 0;
     rh->tail = ri->tail + (k0 > run ? k0 - run : 0);
+    rh->v0 = ri->lo + k0;
     return 1;
 }
 
@@ -747,7 +881,8 @@ static int run_unit(const void *q, long q_stride, const void *kv, const void *kt
     long base = first / BLOCK * BLOCK, span = (last / BLOCK + 1) * BLOCK - base + W;
     long plen = (longest + W - 1) / W * W;
     size_t head = (sizeof(rowhead) * nr + 63) / 64 * 64;
-    char *buf = grow(&unit_buf, &unit_size, head + sizeof(float) * (MAX_R * D + nr * (span + plen)));
+    long wlen = plen / 2 + W; /* weight_pairs' words */
+    char *buf = grow(&unit_buf, &unit_size, head + sizeof(float) * (MAX_R * D + nr * (span + plen + wlen)));
     if (!buf)
         return -1;
     rowhead *rh = (rowhead *)buf;
@@ -764,6 +899,7 @@ static int run_unit(const void *q, long q_stride, const void *kv, const void *kt
             rh[r].s = mem + (long)r * (span + plen);
             rh[r].p = x.ntail ? rh[r].s + span : rh[r].s + (x.a - base);
             rh[r].part = parts + ((long)(t * H + h) * 2 + half) * (Dv + 2);
+            rh[r].w = (uint32_t *)(mem + (long)nr * (span + plen) + (long)r * wlen);
         }
     }
     /* a slot's value: in head kvh's rows of the values [Hkv, S, D] (one stream per head: with the heads of a slot
@@ -866,6 +1002,9 @@ static int attend(const void *q, long q_stride, const void *kv, const void *kt, 
     }
     return failed ? -1 : 0;
 }
+
+/* 1 where a bf16 cache's outputs take their values two keys a VDPBF16PS with bf16 weights (values_pairs), else 0 */
+int specdec_attend_pairs(void) { return PV_PAIRS; }
 
 int specdec_attend(const void *q, long q_stride, const void *kv, const void *kt, long tiles, int H, int Hkv, int D,
                    int T, const int64_t *lo, const int64_t *hi, const int64_t *tails, const int64_t *toff,
