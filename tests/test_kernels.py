@@ -310,3 +310,24 @@ def test_bf16_cache_weighs_values_by_bf16_rounded_weights(D, n):
     assert abs(float(out[0]) - float(rounded)) < 0.01 * abs(float(rounded)), (float(out[0]), float(rounded))
     assert abs(float(out[0]) - float(exact)) > 0.2 * abs(float(exact))
     torch.testing.assert_close(out[1], torch.tensor(0.5), atol=4e-3, rtol=0)  # the other keys: weights 0 or 1
+
+
+@pytest.mark.parametrize("start,ntail", [(10, 293), (11, 290), (0, 261), (7, 40)])
+def test_long_scattered_tails_equal_their_compacted_decode_step(start, ntail):
+    """A row whose keys are a short run and then many scattered slots (halves that hold only tail slots, starting at
+    an odd or even key) equals the decode step of the same keys compacted into consecutive slots, bitwise: the
+    outputs pair keys by their place in that decode step's run, not by their slots."""
+    H, Hkv, D, S = 9, 3, 64, 700
+    kv, kt = make(H, Hkv, D, S, torch.bfloat16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    tail = (start + 1 + torch.randperm(S - start - 1, generator=g)[:ntail]).tolist()
+    qkv = torch.randn(1, 1, H + 2 * Hkv, D, generator=g).bfloat16()
+    scattered = run(qkv, kv, kt, H, Hkv, start, [torch.tensor(tail)])
+    lay_kv, lay_kt = kv.clone(), kt.clone()
+    lay_kv[:, start:start + ntail] = kv[:, tail]
+    kernels.store_keys(lay_kv[:, start:start + ntail, :Hkv], lay_kt, start)
+    last = start + ntail - 1
+    alone = run(qkv, lay_kv, lay_kt, H, Hkv, last, [torch.tensor([last])])
+    assert torch.equal(scattered, alone)
+    ref = sdpa(qkv, kv, H, Hkv, [torch.tensor(list(range(start)) + tail)])
+    torch.testing.assert_close(scattered.float(), ref, atol=2e-2, rtol=2e-2)
