@@ -786,10 +786,11 @@ static void values_pairs_any(int R, const uint16_t *v, long stride, rowhead *rh,
                     for (int d = 0; d < D; d++)                                                                    \
                         qt[d * R + r - r0] = ELEM((const T_ *)rh[r].q + d);                                        \
             }                                                                                                      \
+            /* the key tiles: no prefetch, the hardware's streams them (a burst of the next tile's 64 lines            \
+               stalled on the L1's miss buffers: without it batch 8 at 600-1000 cached 1.04-1.05x, chains 1.00-1.04x,  \
+               docs/results/tile-prefetch-1207h.txt) */                                                                \
             for (long x = first / BLOCK; x <= last / BLOCK; x++) {                                                 \
-                for (int c = 0; c < D * BLOCK * (int)sizeof(T_); c += 64) /* the next tile */                      \
-                    __builtin_prefetch((const char *)(kth + (x + 1) * D * BLOCK) + c);                             \
-                if (r0 == 0) /* and the next tile's value rows, into L2 for the outputs: memory bound at T = 1 */  \
+                if (r0 == 0) /* the next tile's value rows, into L2 for the outputs: memory bound at T = 1 */          \
                     for (long j = (x + 1) * BLOCK; j < (x + 2) * BLOCK; j++)                                       \
                         for (int c = 0; c < Dv * (int)sizeof(T_); c += 64)                                         \
                             __builtin_prefetch((const char *)(vals + j * stride) + c, 0, 2);                       \
