@@ -684,12 +684,12 @@ static inline __attribute__((always_inline)) void values_pairs(const int R, cons
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
         const long a = rh[r].a, run = rh[r].b - a, v0 = rh[r].v0, vb = v0 + run, end = vb + rh[r].ntail;
         const int64_t *tail = rh[r].tail;
-        for (long p = rh[r].ntail ? (run ? rh[r].b & ~1L : v0 & ~1L) : end; p < end; p += 2) {
-            long p0 = p < v0 ? p + 1 : p, p1 = p + 1 < end ? p + 1 : p0; /* a place outside weighs 0 */
+        for (long at = rh[r].ntail ? (run ? rh[r].b & ~1L : v0 & ~1L) : end; at < end; at += 2) { /* places */
+            long p0 = at < v0 ? at + 1 : at, p1 = at + 1 < end ? at + 1 : p0; /* a place outside weighs 0 */
             long s0 = p0 < vb ? a + p0 - v0 : tail[p0 - vb], s1 = p1 < vb ? a + p1 - v0 : tail[p1 - vb];
             __m512i x[4];
             value_pairs(v + s0 * stride, v + s1 * stride, x);
-            __m512bh w = (__m512bh)_mm512_set1_epi32((int)wr[r][p >> 1]);
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)wr[r][at >> 1]);
             _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
                 acc[r * 4 + c] = _mm512_dpbf16_ps(acc[r * 4 + c], (__m512bh)x[c], w);
         }
