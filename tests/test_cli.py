@@ -41,6 +41,18 @@ def test_generate_streams_and_summarizes(tmp_path):
     assert result["stats"]["generated_tokens"] <= 24
 
 
+def test_demo_alternates_rounds_and_prints_medians():
+    """`specdec demo` (make demo's main job): each prompt plain then speculative, --repeats rounds alternated, one
+    table row per prompt with the medians, texts identical to plain decoding."""
+    r = run_cli("demo", "-n", "12", "--repeats", "2")
+    assert r.returncode == 0, r.stderr
+    assert "medians of 2 alternated rounds" in r.stdout.splitlines()[0]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "tok/s" not in line]
+    assert len(rows) == 2 and all(line.rstrip().endswith("| yes |") for line in rows), rows
+    one = run_cli("demo", "-n", "12", "--repeats", "1")
+    assert one.returncode == 0 and "one round" in one.stdout.splitlines()[0]
+
+
 def test_truncated_gguf(tmp_path, smollm2_path):
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(smollm2_path.read_bytes()[:30_000_000])
@@ -106,6 +118,7 @@ def test_bad_flags_in_process(capsys, argv, words):
     (["generate", "-p", "hi", "-c", "many"], "-c/--ctx-size"),
     (["bench", "--repeats", "0"], "--repeats"),  # an IndexError after the whole run
     (["bench", "--limit", "0"], "--limit"),
+    (["demo", "--repeats", "0"], "--repeats"),
     (["train-mtp", "--epochs", "0", "-o", "x.safetensors"], "--epochs"),  # generated answers first, trained nothing
     (["train-mtp", "--samples", "0", "-o", "x.safetensors"], "--samples"),
 ])
