@@ -606,6 +606,8 @@ static inline __m256 key8_bf16(const uint16_t *kt, int d, int e, int l) {
    runs alone, beside other rows, or as a tree node before its path is compacted: the batch invariance above. */
 #if BF16DOT
 #define PV_PAIRS 1
+/* whether a kernel of storage type T_ with Dv-wide values takes this path (weight_pairs, then values_pairs_any) */
+#define PAIRS_ON(T_, Dv) (sizeof(T_) == 2 && (Dv) % 64 == 0)
 /* weights: exp(s - max) (the part's n keys at p, zero past them to a multiple of 16) -> rh->w in bf16 (round to
    nearest even), word m - (v0 >> 1) = places 2m (low half), 2m + 1 (high half) */
 static void weight_pairs(rowhead *rh, long n) {
@@ -713,6 +715,7 @@ static void values_pairs_any(int R, const uint16_t *v, long stride, rowhead *rh,
 }
 #else
 #define PV_PAIRS 0
+#define PAIRS_ON(T_, Dv) 0
 static void weight_pairs(rowhead *rh, long n) { (void)rh, (void)n; }
 static void values_pairs_any(int R, const uint16_t *v, long stride, rowhead *rh, int D) {
     (void)R, (void)v, (void)stride, (void)rh, (void)D;
@@ -754,7 +757,7 @@ static void values_pairs_any(int R, const uint16_t *v, long stride, rowhead *rh,
         }                                                                                                          \
     }                                                                                                              \
     static void values_any_##NAME(int R, const T_ *v, long stride, rowhead *rh, int D) {                           \
-        if (PV_PAIRS && sizeof(T_) == 2 && D % 64 == 0)                                                            \
+        if (PAIRS_ON(T_, D))                                                                                       \
             values_pairs_any(R, (const uint16_t *)v, stride, rh, D);                                               \
         else if (D == 16)                                                                                          \
             values_cv_##NAME(1, R, v, stride, rh, 0);                                                              \
@@ -799,7 +802,7 @@ static void values_pairs_any(int R, const uint16_t *v, long stride, rowhead *rh,
         }                                                                                                          \
         for (int r = 0; r < nr; r++) {                                                                             \
             softmax_part(rh + r, base);                                                                            \
-            if (PV_PAIRS && sizeof(T_) == 2 && Dv % 64 == 0)                                                       \
+            if (PAIRS_ON(T_, Dv))                                                                                  \
                 weight_pairs(rh + r, rh[r].b - rh[r].a + rh[r].ntail);                                             \
         }                                                                                                          \
         /* outputs, MAX_RV pairs at a time, each value row loaded once for all of them */                          \
