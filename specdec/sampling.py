@@ -110,16 +110,25 @@ class Draws:
     def at(self, j: int) -> torch.Generator:
         """A torch generator of position offset + j (a fresh one each call: drawing from it twice repeats the draw),
         for draws that need more than one uniform (rejection sampling of drafts with a distribution q)."""
-        g = torch.Generator(device=self.device)
-        g.manual_seed(self._key(j) >> 1)
-        return g
+        return generator(self.device).manual_seed(self._key(j) >> 1)
 
     def shifted(self, n: int) -> Draws:
         return Draws(self.seed, self.device, self.offset + n)
 
 
+def generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """torch.Generator(device), with the module that defines the generator's class imported first: `specdec
+    generate / serve / demo` import torch with its meta registrations deferred (cli.set_threads), and torch 2.13 then
+    refuses to make a generator until torch._prims.rng_prims has run (sampled drafting with MTP heads or a draft
+    model failed on every run that way). Imported here, where a generator is first needed, it costs those commands
+    nothing when they never sample a draft (~0.1 s when they do)."""
+    import torch._prims.rng_prims  # noqa: F401
+
+    return torch.Generator(device=device)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    g = torch.Generator(device=device)
+    g = generator(device)
     if seed is None:
         g.seed()
     else:

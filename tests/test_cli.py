@@ -164,6 +164,27 @@ def test_decode_commands_defer_torch_meta_registrations():
     assert runs["0"] == ["module", "83.0", "fft", "module", "fft"]
 
 
+@pytest.mark.parametrize("spec, coupled", [(["--spec", "mtp"], True), (["-md", "default"], False)])
+def test_sampled_drafting_runs_where_torch_meta_registrations_are_deferred(spec, coupled):
+    """`generate` with sampled drafts from MTP heads or a draft model, in a fresh process (so the deferral of
+    set_threads is in force): torch 2.13 refused to make their torch.Generator there until torch._prims.rng_prims had
+    run, and every such run ended in "error: RuntimeError: torch.Generator() cannot be called before the opaque
+    metaclass is set" (found 12-07: tests that run the CLI in this process, where torch is imported already, passed).
+    The heads draft point masses, verified coupled to plain sampling: their seeded text is the --spec none run's; a
+    draft model's drafts are sampled from its q (rejection sampling: the same distribution, not the same text)."""
+    from specdec.paths import default_model_path
+
+    spec = [str(default_model_path()) if x == "default" else x for x in spec]
+    runs = [subprocess.run([sys.executable, "-m", "specdec", "generate", "-p", "Tell me a short story.", "-n", "12",
+                            "--temp", "0.8", "-s", "3", "--chat", *s], capture_output=True, text=True, timeout=300)
+            for s in (spec, ["--spec", "none"])]
+    for r in runs:
+        assert r.returncode == 0 and "error" not in r.stderr, r.stderr
+    assert runs[0].stdout.strip() and "drafted" in runs[0].stderr
+    if coupled:
+        assert runs[0].stdout == runs[1].stdout
+
+
 def test_first_torch_import_pauses_the_collector_and_freezes():
     """set_threads imports torch with the cycle collector paused (a fresh process: in this one torch is imported
     already) and then freezes the objects it made: a collector left off, or nothing frozen, fails this."""

@@ -37,6 +37,7 @@ import torch
 
 from ..config import ModelArgs
 from ..kernels import instruction_peaks, matmul_isa
+from ..sampling import generator
 from ..spec.costmodel import best_k, expected_tokens_iid, interpolate, speedup
 
 DEFAULT_TS = (1, 2, 4, 8, 16, 32, 64)
@@ -106,7 +107,7 @@ def measure_bandwidth(device: torch.device | str = "cpu", nbytes: int = 512 * 2*
 def measure_matmul(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", n: int = 2048,
                    repeats: int = 5) -> float:
     """Achieved FLOP/s (2 n^3 per product) of an [n, n] @ [n, n] matmul in `dtype`, median of `repeats`."""
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = generator().manual_seed(0)
     a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     out = torch.empty(n, n, dtype=dtype, device=device)
@@ -136,7 +137,7 @@ def measure_kernel_rate(model, t: int = 8, repeats: int = 9) -> float | None:
     lin = layer.moe.experts[0][0] if layer.moe is not None else getattr(layer, "w13", None)
     if lin is None or not getattr(lin, "native", False):
         return None
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = generator().manual_seed(0)
     k = model.args.dim  # a gate-up projection reads the hidden state
     xs = {n: torch.randn(1, n, k, generator=g).to(model.device, model.dtype) for n in (1, t)}
     med = {}
@@ -154,7 +155,7 @@ def measure_kernel_rate(model, t: int = 8, repeats: int = 9) -> float | None:
 
 
 def _random_tokens(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
+    g = generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
