@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import types
+from pathlib import Path
 
 # PyTorch's CPU allocator backs large tensors with transparent huge pages when asked to; the weight matrices then
 # cost fewer TLB misses (~4% faster decode measured on SmolLM2). Must be set before torch is imported.
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, default=8, help="prompts decoded together with -f FILE.jsonl (default 8)")
     g.add_argument("-n", "--n-predict", type=int, default=256, help="tokens to generate (default 256)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("-sys", "--system", default=None, help="system message (with --chat)")
+    g.add_argument("-sys", "--system", default=None, help="system message (turns --chat on)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     g.add_argument("--json", default=None, help="also write the result and statistics as JSON to this file")
@@ -166,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data-tokens", type=at_least(0), default=0,
                    help="with --data: train on a seeded random subset of about this many tokens (default all)")
     t.add_argument("--prompts", default=None, help="training prompts JSONL (self-instruct seed tasks or "
-                                                   "{\"prompt\": ...}); default ../shared/data/"
-                                                   "train_prompts_seed_tasks.jsonl")
+                                                   "{\"prompt\": ...}); default shared/data/"
+                                                   "train_prompts_seed_tasks.jsonl beside the project")
     t.add_argument("--samples", type=at_least(1), default=2, help="answers the model writes per prompt (default 2)")
     t.add_argument("--max-new", type=at_least(1), default=160, help="tokens per answer (default 160)")
     t.add_argument("--temp", type=float, default=0.8, help="sampling temperature of the answers (default 0.8)")
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                     "(EAGLE); 0 = distillation only (default 1)")
     t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     t.add_argument("--noise", type=float, default=0.0, help="std of noise on input hidden states (default 0)")
-    t.add_argument("--limit", type=at_least(0), default=0, help="use only the first N prompts (default all)")
+    t.add_argument("--limit", type=at_least(1), default=None, help="use only the first N prompts (default all)")
     t.add_argument("-s", "--seed", type=int, default=0, help="seed (default 0)")
     t.add_argument("--work", default=None, help="work directory for resumable stages (default OUTPUT.work)")
 
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = os.environ.get("SPECDEC_DEBUG") == "1"
     try:
+        for flag in ("json", "png"):  # before anything loads: a run's results were lost at its end
+            check_output(getattr(args, flag, None), f"--{flag}")
         if args.command == "generate":
             return cmd_generate(args)  # it imports torch once its prompt's encoder has started
         set_threads(args, defer_meta=args.command in ("serve", "demo"))
@@ -279,6 +282,22 @@ def main(argv: list[str] | None = None) -> int:
         kind = "" if isinstance(e, ModelError | ContextFull | ValueError | OSError) else f"{type(e).__name__}: "
         print(f"error: {kind}{e}", file=sys.stderr)
         return 1
+
+
+def check_output(path: str | None, flag: str) -> None:
+    """Refuse an output file that could not be written, before the run (a folder, or a place this user may not
+    write); its missing folders are made, as bench always did."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: give a file name")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot make its folder ({e.strerror})") from None
+    if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"{flag} {path} cannot be written here: give another path")
 
 
 class _DeferredTorchModule(types.ModuleType):
@@ -321,6 +340,9 @@ def set_threads(args, defer_meta: bool = False) -> None:
     import torch
 
     if getattr(args, "threads", None):
+        if args.threads > usable_cpus():
+            print(f"specdec: -t {args.threads} is more threads than the {usable_cpus()} CPUs this process may use: "
+                  "they take turns, and decoding slows down", file=sys.stderr)
         torch.set_num_threads(args.threads)
 
 
@@ -448,7 +470,10 @@ def cmd_generate(args) -> int:
     import json
     import time
 
-    batch_file = bool(args.file and args.file.endswith(".jsonl"))
+    batch_file = bool(args.file and args.file.lower().endswith(".jsonl"))
+    if args.file and args.prompt is not None:
+        raise ValueError("give the prompt with -p TEXT or -f FILE, not both")
+    args.chat = args.chat or args.system is not None  # a system message is a chat's
     text = "" if batch_file else read_prompt(args)
     if args.n_predict <= 0:
         raise ValueError("-n must be > 0")
@@ -458,6 +483,15 @@ def cmd_generate(args) -> int:
 
     params = sampling_params(args)
     spec_config(args)  # flags are checked before the (slow) load
+    kind = args.spec or ("draft" if args.model_draft else "auto")
+    if args.model_draft and kind != "draft":  # (a server keeps its -md for requests that ask for it)
+        raise ValueError(f"-md drafts with --spec draft (the default with -md), not --spec {kind}: drop one of them")
+    if args.tree and kind not in ("mtp", "auto"):
+        raise ValueError(f"--tree shapes the MTP heads' drafts (--spec mtp or auto), not --spec {kind}")
+    if args.model_draft:
+        from .loader import check_model_file
+
+        check_model_file(args.model_draft)  # a missing or broken draft file is named before the target loads
     # the helper's ids are collected before the weights are touched, so its memory (190 MB for Gemma's tokenizer,
     # built in ~1.1 s) is freed before the model's pages come in: docs/results/startup-meta-1207g.txt
     t = time.perf_counter()
@@ -467,6 +501,9 @@ def cmd_generate(args) -> int:
     if early:
         target.load_split["waiting for the prompt's encoder"] = wait
         target.load_seconds += wait
+    vocab = target.model.args.vocab_size
+    if outside := [t for t, _ in params.logit_bias if t >= vocab]:
+        raise ValueError(f"--logit-bias token id {outside[0]} is outside the vocabulary (0..{vocab - 1})")
     spec, mtp = spec_config(args, target, params)
     kind = spec.kind
     draft = load_model(args, "model_draft", target) if kind == "draft" else None
@@ -512,6 +549,12 @@ def generate_batch(args, target, draft, spec, mtp, params) -> int:
     if args.batch < 1:
         raise ValueError("--batch must be >= 1")
     prompts = load_prompts(args.file)
+    ids = [prompt_tokens(target.tokenizer, p.text, args.chat, args.system) for p in prompts]
+    ctx = target.model.max_len
+    long = next((i for i, x in enumerate(ids) if len(x) >= ctx), None)
+    if long is not None:  # named before any decoding (the engine's refusal named no prompt)
+        raise ValueError(f"{args.file}: prompt {prompts[long].id} has {len(ids[long])} tokens but the context is "
+                         f"{ctx}: raise -c or shorten it")
     llm = LLM.of(target, draft, spec, max_batch=args.batch, mtp=mtp)
 
     def emit(i: int, out) -> None:
@@ -519,12 +562,19 @@ def generate_batch(args, target, draft, spec, mtp, params) -> int:
                           "generated_tokens": len(out.tokens)}), flush=True)
 
     t0 = time.perf_counter()
-    outs = llm.generate([p.text for p in prompts], params, max_tokens=args.n_predict, chat=args.chat, stop=args.stop,
-                        ignore_eos=args.ignore_eos, on_output=emit)
+    outs = llm.generate(ids, params, max_tokens=args.n_predict, stop=args.stop, ignore_eos=args.ignore_eos,
+                        on_output=emit)
     wall = time.perf_counter() - t0
     n = sum(len(o.tokens) for o in outs)
     print(f"{target.load_summary()} | {len(outs)} prompts, batch {args.batch}: {n} tokens in {wall:.2f} s, "
           f"{n / wall:.1f} tok/s aggregate", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"outputs": [{"index": i, "id": p.id, "text": o.text, "tokens": o.tokens,
+                                    "finish_reason": o.finish_reason, "stats": o.stats.to_dict()}
+                                   for i, (p, o) in enumerate(zip(prompts, outs, strict=True))],
+                       "batch": args.batch, "load_s": target.load_seconds, "wall_s": wall,
+                       "generated_tokens": n}, f, indent=1)
     return 0
 
 
@@ -567,6 +617,8 @@ def cmd_demo(args) -> int:
     from .sampling import SamplingParams
     from .spec import SpecConfig, build_proposer, resolve_mtp
 
+    if args.n_predict < 1:  # before the load
+        raise ValueError("-n must be >= 1")
     target = load_model(args)
     tok, greedy = target.tokenizer, SamplingParams()
     spec = SpecConfig(kind="auto")
@@ -602,11 +654,20 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train_mtp(args) -> int:
-    from pathlib import Path
+    import math
 
+    from .train.data import SEED_TASKS
     from .train.mtp import TrainConfig, train_mtp
 
-    prompts = args.prompts or "../shared/data/train_prompts_seed_tasks.jsonl"
+    prompts = args.prompts or str(SEED_TASKS)  # found from any folder, as make-data's
+    for flag, value, ok in (("--lr", args.lr, args.lr > 0), ("--noise", args.noise, args.noise >= 0),
+                            ("--weight-decay", args.weight_decay, args.weight_decay >= 0),
+                            ("--feature-weight", args.feature_weight, args.feature_weight >= 0),
+                            ("--decay", args.decay, 0 < args.decay <= 1), ("--temp", args.temp, args.temp >= 0)):
+        if not (ok and math.isfinite(value)):  # before answers and features are made (they took minutes first)
+            raise ValueError(f"{flag} {value} is out of range: see specdec train-mtp --help")
+    if not args.output.endswith(".safetensors"):
+        raise ValueError(f"-o {args.output}: heads are written as safetensors, give a FILE.safetensors")
     if args.data and not Path(args.data).exists():
         raise ValueError(f"training data not found: {args.data} (write it with `specdec make-data -o FILE`)")
     if not args.data and not Path(prompts).exists():
@@ -615,11 +676,14 @@ def cmd_train_mtp(args) -> int:
         raise ValueError("--kind must be sequential, parallel or eagle3")
     cfg = TrainConfig(kind=args.kind, depth=args.depth, samples=args.samples, max_new=args.max_new,
                       temperature=args.temp, epochs=args.epochs, lr=args.lr, seed=args.seed, vocab=args.vocab,
-                      ffn_dim=args.ffn, prompts=prompts, limit=args.limit, feature_weight=args.feature_weight,
+                      ffn_dim=args.ffn, prompts=prompts, limit=args.limit or 0, feature_weight=args.feature_weight,
                       weight_decay=args.weight_decay, noise=args.noise, data=args.data or "", decay=args.decay,
                       data_tokens=args.data_tokens)
     torch_seed(args.seed)
     target = load_model(args)
+    if args.vocab > target.model.args.vocab_size:
+        raise ValueError(f"--vocab {args.vocab} is more than the model's {target.model.args.vocab_size} tokens "
+                         "(0 = all of them)")
     summary = train_mtp(target, args.output, cfg, args.work)
     last = summary["log"][-1] if summary["log"] else {}
     print(f"wrote {args.output}: {summary['kind']} x{summary['depth']}, {summary['tokens']} training tokens, "
@@ -656,7 +720,6 @@ def cmd_make_data(args) -> int:
 
 def cmd_export_heads(args) -> int:
     import json
-    from pathlib import Path
 
     from .weights.export import check_format, export_heads
 

@@ -29,6 +29,10 @@ def resolve_device(name: str = "auto") -> torch.device:
         raise ModelError(f"unknown device '{name}': use auto, cpu, cuda or mps") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelError("--device cuda asked, but this torch build sees no CUDA GPU: use --device cpu")
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ModelError("--device mps asked, but this torch build has no Apple GPU (MPS) support: use --device cpu")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ModelError(f"unknown device '{name}': use auto, cpu, cuda or mps")
     return dev
 
 
@@ -249,6 +253,20 @@ def progress_bar(desc: str, unit: str = "layer"):
     return update, close
 
 
+def check_model_file(model: str | Path | None) -> Path:
+    """A model's path, refused in one line when it is missing or, for a GGUF file, when its header is truncated or
+    corrupt (weights/gguf.py's check, milliseconds): a draft model is checked so before the target loads and before
+    its vocabulary is read (that read's own failure said only "unpack_from requires a buffer ...")."""
+    path = resolve_model_path(model)
+    if not path.exists():
+        raise ModelError(f"model not found: {path}")
+    if path.is_file():
+        from .weights.gguf import check_gguf
+
+        check_gguf(path)
+    return path
+
+
 def load_args(args, which: str = "model", target: Loaded | None = None, tokenizer: Tokenizer | None = None
               ) -> Loaded:
     """load() from the command line's common flags (-m / -md, --dtype, --quant, --device, -c), with a progress bar.
@@ -260,7 +278,7 @@ def load_args(args, which: str = "model", target: Loaded | None = None, tokenize
         from .light_tokenizer import LightTokenizer
         from .spec.draft_model import check_vocab
 
-        path = resolve_model_path(getattr(args, which))
+        path = check_model_file(getattr(args, which))
         tok = LightTokenizer.cached(path) or load_tokenizer(path)  # a draft's tokenizer is only compared, not used
         check_vocab(target.tokenizer, tok)
     update, close = progress_bar(f"loading {which.replace('_', ' ')}")

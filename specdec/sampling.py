@@ -60,7 +60,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         if not self.temperature >= 0 or math.isinf(self.temperature):
-            raise ValueError("--temp must be >= 0 (0 = greedy)")
+            raise ValueError("--temp must be a finite number >= 0 (0 = greedy)")
         if self.top_k < 0:
             raise ValueError("--top-k must be >= 0 (0 = off)")
         if not 0.0 < self.top_p <= 1.0:

@@ -102,6 +102,25 @@ def test_prompt_longer_than_context():
     (["generate", "-p", "hi", "-l", "12+x"], ["--logit-bias"]),
     (["generate", "-f", "/nonexistent/prompt.txt"], ["prompt file not found", "/nonexistent/prompt.txt"]),
     (["generate", "-f", "/"], ["cannot read the prompt file /"]),
+    (["generate", "-p", "hi", "-f", "p.txt"], ["-p TEXT or -f FILE, not both"]),
+    (["generate", "-p", "hi", "--draft-max", "17"], ["--draft-max must be auto or 0..16, not 17"]),
+    (["generate", "-p", "hi", "-l", "49152+1"], ["token id 49152 is outside the vocabulary (0..49151)"]),
+    (["generate", "-p", "hi", "--json", "/"], ["--json / is a folder"]),
+    (["bench", "--json", "/"], ["--json / is a folder"]),
+    (["roofline", "--png", "/"], ["--png / is a folder"]),
+    (["generate", "-p", "hi", "-md", "/nonexistent/draft.gguf"], ["model not found: /nonexistent/draft.gguf"]),
+    (["generate", "-p", "hi", "--temp", "inf"], ["--temp must be a finite number"]),
+    (["generate", "-p", "hi", "--spec", "ngram", "-md", "d.gguf"], ["-md drafts with --spec draft", "ngram"]),
+    (["generate", "-p", "hi", "--spec", "ngram", "--tree", "2,2"], ["--tree shapes the MTP heads' drafts"]),
+    (["generate", "-p", "hi", "-n", "2", "--device", "mps"], ["--device mps asked"]),
+    (["train-mtp", "-o", "h.safetensors", "--lr", "-1"], ["--lr -1.0 is out of range"]),
+    (["train-mtp", "-o", "h.safetensors", "--lr", "nan"], ["--lr nan is out of range"]),
+    (["train-mtp", "-o", "h.safetensors", "--noise", "-1"], ["--noise -1.0 is out of range"]),
+    (["train-mtp", "-o", "heads.txt"], ["give a FILE.safetensors"]),
+    (["demo", "-n", "0"], ["-n must be >= 1"]),
+    (["bench-serve", "--url", "http://127.0.0.1:9", "--extra", "{bad"], ["--extra is not JSON"]),
+    (["bench-serve", "--url", "http://127.0.0.1:9", "--extra", "[1]"], ["--extra must be a JSON object"]),
+    (["train-mtp", "-o", "h.safetensors", "--vocab", "99999"], ["--vocab 99999 is more than the model's 49152"]),
 ])
 def test_bad_flags_in_process(capsys, argv, words):
     assert main(argv) == 1
@@ -110,6 +129,78 @@ def test_bad_flags_in_process(capsys, argv, words):
     for w in words:
         assert w in err
 
+
+
+def test_more_threads_than_cpus_is_said(capsys):
+    """-t beyond the CPUs this process may use runs (llama.cpp's -t does too) but says why it will be slow (-t 1000
+    decoded 0.3 tok/s without a word)."""
+    import argparse
+
+    import torch
+
+    from specdec.cli import set_threads, usable_cpus
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(argparse.Namespace(threads=usable_cpus()))
+        assert capsys.readouterr().err == ""
+        set_threads(argparse.Namespace(threads=usable_cpus() + 1))
+        assert "more threads than the" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_outputs_and_draft_files_are_checked_before_any_load(monkeypatch, capsys, tmp_path):
+    """A --json that cannot be written and a draft file that is missing or broken are refused before the target
+    loads (the results of a whole run were lost at its end; a missing draft was named after the target's load)."""
+    import specdec.loader as loader
+
+    loaded = []
+    monkeypatch.setattr(loader, "load", lambda model, **kw: loaded.append(model))
+    broken = tmp_path / "d.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))  # the magic, then a header that cannot be read
+    for argv in (["--json", str(tmp_path)], ["-md", str(tmp_path / "none.gguf")], ["-md", str(broken)]):
+        assert main(["generate", "-p", "hi", "-n", "4", *argv]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(e.startswith("error: ") for e in err), err
+    assert "is a folder" in err[0] and "model not found" in err[1] and "d.gguf" in err[2], err
+    assert loaded == []
+
+
+def test_prompt_file_rows_are_checked_by_line(capsys, tmp_path):
+    """-f FILE.jsonl: a row that is not a usable prompt names the file and line; an empty file is refused; a
+    prompt longer than the context is named before anything decodes."""
+    cases = {'{"prompt": "hi"}\n{"prompt": 5}\n': "p.JSONL:2: 'prompt' must be a non-empty string",
+             '{"turns": []}\n': "p.JSONL:1: 'turns' must be a list whose first item is a non-empty string",
+             '{"turns": "hello"}\n': "'turns' must be a list",
+             '"just text"\n': "p.JSONL:1 has neither 'turns' (Spec-Bench) nor 'prompt'",
+             "\n": "no prompts in",
+             '{"prompt": "hi"}\n{"id": "big", "prompt": "' + "word " * 400 + '"}\n':
+                 "prompt big has 40"}
+    for text, words in cases.items():
+        f = tmp_path / "p.JSONL"  # the suffix in any case
+        f.write_text(text)
+        assert main(["generate", "-f", str(f), "-n", "4", "-c", "256"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and len(err.splitlines()) == 1 and words in err, (words, err)
+
+
+def test_prompt_file_takes_the_system_message_and_writes_json(capsys, tmp_path):
+    """-f FILE.jsonl with -sys (which turns --chat on) decodes each prompt as `-p` does with the same flags, and
+    --json writes every output (both were silently ignored for prompt files)."""
+    system = "Answer only in French."
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"id": "q", "prompt": "Say hello to me."}) + "\n")
+    out = tmp_path / "o.json"
+    assert main(["generate", "-f", str(f), "-n", "10", "--temp", "0", "-sys", system, "--json", str(out)]) == 0
+    batch = json.loads(out.read_text())["outputs"]
+    assert len(batch) == 1 and batch[0]["id"] == "q" and len(batch[0]["tokens"]) == 10
+    capsys.readouterr()
+    single = {}
+    for sys_flags in (["-sys", system], []):
+        assert main(["generate", "-p", "Say hello to me.", "--chat", "-n", "10", "--temp", "0", *sys_flags]) == 0
+        single[bool(sys_flags)] = capsys.readouterr().out.strip()
+    assert batch[0]["text"].strip() == single[True] != single[False]
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -121,6 +212,7 @@ def test_bad_flags_in_process(capsys, argv, words):
     (["demo", "--repeats", "0"], "--repeats"),
     (["train-mtp", "--epochs", "0", "-o", "x.safetensors"], "--epochs"),  # generated answers first, trained nothing
     (["train-mtp", "--samples", "0", "-o", "x.safetensors"], "--samples"),
+    (["train-mtp", "--limit", "0", "-o", "x.safetensors"], "--limit"),  # 0 used to mean every prompt
 ])
 def test_bad_counts_are_refused_by_the_parser(capsys, argv, flag):
     """Counts out of range stop at argument parsing, with argparse's one line naming the flag, before any load."""

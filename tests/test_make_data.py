@@ -249,6 +249,18 @@ def test_other_settings_or_model_are_refused(tiny, seeds, tmp_path):
         make_data(tiny, out, cfg)
 
 
+def test_a_corrupt_counted_line_is_named(tiny, seeds, tmp_path):
+    """A line inside the part the meta file counts that is not JSON (an edited or damaged file) is refused with the
+    file and line (it said only "Unterminated string starting at ...")."""
+    out = tmp_path / "c.jsonl"
+    cfg = config(seeds, n_prompts=2)
+    run(tiny, out, cfg)
+    lines = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(lines[0] + lines[1][:20] + b"\n" + b"".join(lines[2:]))
+    with pytest.raises(ValueError, match=r"c\.jsonl:2 is not a make-data line"):
+        make_data(tiny, out, cfg)
+
+
 def test_read_data_gives_prompt_plus_answer_per_answer(tiny, seeds, tmp_path):
     out = tmp_path / "r.jsonl"
     run(tiny, out, config(seeds, n_prompts=1))

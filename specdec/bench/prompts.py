@@ -45,14 +45,18 @@ def load_prompts(path: str | Path | None, categories: str | None = None, limit: 
                 d = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{p}:{n + 1} is not JSON ({e.msg}): one JSON object per line expected") from e
-            if "turns" in d:
-                cat = d.get("category", "default")
-                rows.append(Prompt("mt_bench" if cat in MT_BENCH else cat, d["turns"][0],
-                                   str(d.get("question_id", n))))
-            elif "prompt" in d:
-                rows.append(Prompt(d.get("category", "default"), d["prompt"], str(d.get("id", n))))
-            else:
+            if not isinstance(d, dict) or not ("turns" in d or "prompt" in d):
                 raise ValueError(f"{p}:{n + 1} has neither 'turns' (Spec-Bench) nor 'prompt'")
+            turns = d.get("turns")
+            text = (turns[0] if isinstance(turns, list) and turns else None) if "turns" in d else d["prompt"]
+            if not isinstance(text, str) or not text:
+                what = "'turns' must be a list whose first item is" if "turns" in d else "'prompt' must be"
+                raise ValueError(f"{p}:{n + 1}: {what} a non-empty string")
+            cat = d.get("category", "default")
+            rows.append(Prompt("mt_bench" if "turns" in d and cat in MT_BENCH else cat, text,
+                               str(d.get("question_id" if "turns" in d else "id", n))))
+        if not rows:
+            raise ValueError(f"no prompts in {p}: one JSON object per line, with 'prompt' or 'turns'")
     if categories:
         wanted = {c.strip() for c in categories.split(",") if c.strip()}
         known = {r.category for r in rows}

@@ -116,12 +116,24 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def parse_extra(text: str | None) -> dict:
+    """--extra's JSON object, or a one-line error that names the flag."""
+    try:
+        extra = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--extra is not JSON ({e.msg} at character {e.pos}): give an object like "
+                         "'{\"temperature\": 0}'") from None
+    if not isinstance(extra, dict):
+        raise ValueError("--extra must be a JSON object like '{\"temperature\": 0}'")
+    return extra
+
+
 async def run_level(url: str, clients: int, requests: int, prompts: list[str], args, model: str) -> dict:
     """N concurrent clients, `requests` each -> the level's aggregate numbers."""
     httpx = _httpx()
     endpoint = f"{base_url(url)}/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    extra = json.loads(args.extra) if args.extra else {}
+    extra = parse_extra(args.extra)
 
     def body(prompt: str) -> dict:
         b = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temp, "stream": True,
@@ -219,6 +231,7 @@ def cmd_bench_serve(args) -> int:
     if args.requests < 1:
         raise ValueError("--requests must be >= 1")
     parse_clients(args.clients)
+    parse_extra(args.extra)  # before any request
     print(HEADER, file=sys.stderr)
     import asyncio  # here, not at the top: `specdec generate` builds this command's parser too
 

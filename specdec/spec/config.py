@@ -44,16 +44,19 @@ class SpecConfig:
         return draft_length(self.draft_max, self.draft_min)
 
 
+MAX_DRAFT = 16  # tokens a draft may have (--draft-max, the server's speculative.n_max): a verification of 17 rows
+
+
 def draft_length(value: str | int, draft_min: int) -> FixedDraftLength | AutoDraftLength:
-    """A draft-length policy from a --draft-max value: "auto" or a number of tokens."""
+    """A draft-length policy from a --draft-max value: "auto" or a number of tokens (at most MAX_DRAFT)."""
     if value == "auto":
         return AutoDraftLength(8, draft_min)
     try:
         k = int(value)
     except ValueError:
         raise ValueError(f"--draft-max must be auto or a number, not '{value}'") from None
-    if k < 0:
-        raise ValueError("--draft-max must be >= 0")
+    if not 0 <= k <= MAX_DRAFT:
+        raise ValueError(f"--draft-max must be auto or 0..{MAX_DRAFT}, not {k}")
     return FixedDraftLength(k, draft_min)
 
 

@@ -368,9 +368,14 @@ def make_data(target, out: str | Path, cfg: DataConfig) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "ab") as f:
         f.truncate(sum(len(x) + 1 for x in lines))
-    rows = [json.loads(x) for x in lines]
-    for r in rows:
-        filters.kept.add(r["prompt"])
+    rows = []
+    for n, x in enumerate(lines):
+        try:
+            rows.append(json.loads(x))
+            filters.kept.add(rows[-1]["prompt"])
+        except (ValueError, KeyError, TypeError) as e:  # named, not just "Unterminated string ..."
+            raise ValueError(f"{out}:{n + 1} is not a make-data line ({type(e).__name__}: {str(e)[:80]}): remove "
+                             f"the file and {mpath.name}, or write to another -o") from None
     filters.counts.update(state["counts"])
     j = state["next_candidate"]  # the next Magpie candidate
     n_magpie = sum(r["source"] == "magpie" for r in rows)

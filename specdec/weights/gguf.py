@@ -242,6 +242,12 @@ def _check_header(path: Path) -> tuple[dict, list[tuple[str, tuple[int, ...], in
     return meta, tensors, data, c.order
 
 
+def check_gguf(path: Path) -> None:
+    """Refuse, in one line, a file that is not a GGUF or whose header is truncated or corrupt (the header's walk
+    alone: milliseconds)."""
+    _open(path)
+
+
 def read_gguf(path: Path) -> LoadedModel:
     """Read the config from GGUF metadata and return lazily dequantized tensors under canonical names."""
     from gguf import GGMLQuantizationType
