@@ -361,6 +361,8 @@ CASES = [  # (name, path, body (dict = JSON, bytes / str = raw), headers, status
     ("stop number", "/v1/chat/completions", chat_body("hi", stop=5), None, 400, "stop", "invalid_type"),
     ("1 MB prompt", "/v1/completions", {"prompt": BIG, "max_tokens": 4}, None, 400, "prompt",
      "context_length_exceeded"),
+    ("prompt over the context", "/v1/completions", {"prompt": "word " * 3000, "max_tokens": 4}, None, 400, "prompt",
+     "context_length_exceeded"),  # tokenized (15 kB: under the characters' bound), then refused by its count
     ("empty messages", "/v1/chat/completions", {"messages": []}, None, 400, "messages", None),
     ("missing messages", "/v1/chat/completions", {"max_tokens": 4}, None, 400, "messages", None),
     ("messages string", "/v1/chat/completions", {"messages": "hi"}, None, 400, "messages", "invalid_type"),
@@ -411,12 +413,49 @@ def test_bad_request(server, name, path, body, headers, status, param, code):
         assert err["code"] == code, err
 
 
+def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing():
+    """A prompt with more characters than the context's tokens could cover (each token covers at most the longest
+    token's text) is refused without tokenizing it: an 8 MB one took 7 s to tokenize, and the server answered no
+    other request meanwhile (/health: 5.9 s). A prompt under that bound is tokenized and counted as before."""
+    from specdec.server.schemas import APIError, ModelContext, parse_chat, parse_completion
+
+    seen = []
+
+    def encode(text):
+        seen.append(len(text))
+        return list(range(len(text.split())))
+
+    m = ModelContext(model_id="m", names=frozenset({"m"}), ctx=100, vocab_size=1000, encode=encode,
+                     encode_chat=lambda msgs: encode(" ".join(x["content"] for x in msgs)), max_token_chars=10)
+    for parse, body, param in ((parse_completion, {"prompt": "x" * 2001}, "prompt"),
+                               (parse_chat, {"messages": [{"role": "system", "content": "x" * 1000},
+                                                          {"role": "user", "content": "y" * 1001}]}, "messages")):
+        with pytest.raises(APIError) as e:
+            parse(body, m)
+        assert e.value.status == 400 and e.value.param == param and e.value.code == "context_length_exceeded"
+        assert "2001 characters, at least 200 tokens" in e.value.message
+    assert seen == []  # never tokenized
+    assert len(parse_completion({"prompt": "a " * 50, "max_tokens": 4}, m).prompt) == 50 and seen == [100]
+    with pytest.raises(APIError) as e:  # under the bound: tokenized, then refused by its count
+        parse_completion({"prompt": "a " * 150}, m)
+    assert "your prompt is 150 tokens" in e.value.message and seen == [100, 300]
+
+
+def test_range_messages_print_integers_whole():
+    from specdec.server.schemas import _range
+
+    assert _range(-1, 2**31 - 1) == "in [-1, 2147483647]"  # was "[-1, 2.14748e+09]"
+    assert _range(0.0, 1.0, lo_open=True) == "in (0, 1]" and _range(0, None) == ">= 0"
+
+
 def test_hostile_requests_leave_the_server_healthy(server, reference):
     long = post(server, "/v1/completions", {"prompt": BIG, "max_tokens": 4}).json()["error"]["message"]
-    assert "2048" in long and "tokens" in long  # both numbers: the context and the prompt's length
-    routes = [httpx.get(server.url + "/v1/chat/completions").status_code,
-              httpx.get(server.url + "/no/such/path").status_code]
-    assert routes == [405, 404]
+    assert "2048" in long and "at least 1" in long  # both numbers: the context and the prompt's least length
+    counted = post(server, "/v1/completions", {"prompt": "word " * 3000}).json()["error"]["message"]
+    assert "2048" in counted and "your prompt is 300" in counted  # 3000-odd tokens, counted
+    routes = [httpx.get(server.url + "/v1/chat/completions"), httpx.get(server.url + "/no/such/path")]
+    assert [(r.status_code, r.json()["error"]["code"]) for r in routes] == [(405, "method_not_allowed"),
+                                                                            (404, "unknown_url")]
     assert httpx.get(server.url + "/health").status_code == 200
     # unknown fields (clients send many) are ignored
     r = post(server, "/v1/chat/completions", chat_body(CHAT_PROMPTS[0], 12, user="u1", metadata={"a": "b"},
@@ -616,6 +655,8 @@ def test_api_key(server):
         assert post(server, "/v1/chat/completions", chat_body("hi", 2)).status_code == 401
         wrong = post(server, "/v1/chat/completions", chat_body("hi", 2), headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+        bare = post(server, "/v1/chat/completions", chat_body("hi", 2), headers={"Authorization": "s3cret"})
+        assert bare.status_code == 401 and bare.json()["error"]["message"].startswith("Malformed Authorization")
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).chat.completions.create(
                 model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
@@ -635,6 +676,10 @@ def test_api_key(server):
 def test_side_endpoints(server, client, target):
     models = client.models.list().data
     assert len(models) == 1 and models[0].id == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert client.models.retrieve(models[0].id).id == models[0].id  # GET /v1/models/{id}
+    assert client.models.retrieve("smollm2").id == models[0].id  # any name a request may use
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
     tok = target.tokenizer
     ids = post(server, "/tokenize", {"content": "Hello world"}).json()["tokens"]
     assert ids == tok.encode("Hello world", add_special_tokens=False)
@@ -660,8 +705,13 @@ def test_serve_flags_fail_in_one_line(capsys):
     assert main(["serve", "--parallel", "0"]) == 1
     assert main(["serve", "--max-queue", "0"]) == 1
     assert main(["serve", "--spec", "draft"]) == 1  # no -md
+    with socket.socket() as taken:  # a port in use: said before "listening" is (it was after, from uvicorn)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--port", str(taken.getsockname()[1])]) == 1
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(err) == 3 and all(ln.startswith("error: ") for ln in err), err
+    assert len(err) == 4 and all(ln.startswith("error: ") for ln in err), err
+    assert "cannot listen on 127.0.0.1" in err[3] and "already in use" in err[3]
 
 
 def test_bench_serve_smoke(server, tmp_path):

@@ -6,6 +6,7 @@ app.py: routes (create_app); schemas.py: request validation and OpenAI error bod
 
 from __future__ import annotations
 
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -79,9 +80,14 @@ def serve(load: Callable[[], tuple], *, host: str = "127.0.0.1", port: int = 808
 
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5, lifespan="on"))
+    try:  # bound here, so that a port in use or a bad host is one line before anything says it listens
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        why = (e.strerror or str(e)).split(" (while attempting")[0]
+        raise OSError(f"cannot listen on {host}:{port} ({why}): give another --host / --port") from None
     print(f"specdec serve: listening on http://{host}:{port} (loading the model; /health is 503 until it is "
           "ready)", file=sys.stderr)
-    server.run()
+    server.run(sockets=[sock])
     if failed or not server.started:
         return 1
     return 0

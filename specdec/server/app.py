@@ -131,14 +131,14 @@ def create_app(load: Callable[[], Backend], config: ServerConfig | None = None,
 
     def auth(request: Request) -> None:
         key = config.api_key
-        if not key or request.url.path in PUBLIC:
+        if not key or request.url.path in PUBLIC or request.url.path.startswith(("/v1/models/", "/models/")):
             return
         given = request.headers.get("authorization", "")
         token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(token.encode("utf-8", "replace"), key.encode()):
             state.metrics.rejected.labels(status="401").inc()
-            raise APIError(401, "Invalid API key: send 'Authorization: Bearer KEY'" if token else
-                           "Missing API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key")
+            what = "Invalid API key" if token else "Malformed Authorization header" if given else "Missing API key"
+            raise APIError(401, f"{what}: send 'Authorization: Bearer KEY'", None, "invalid_api_key")
 
     # --- generation -------------------------------------------------------------------------------------------------
 
@@ -173,17 +173,29 @@ def create_app(load: Callable[[], Backend], config: ServerConfig | None = None,
         state.ready()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
-    @app.get("/models")
-    async def models(request: Request) -> Response:
-        auth(request)
+    def model_card() -> dict:
         sched = state.ready()
         b = state.backend
         meta = {"n_ctx": sched.ctx, "n_vocab": state.mctx.vocab_size, "speculative": b.spec.kind,
                 "speculative_types": list(b.spec_kinds), "path": str(b.target.path)}
-        return JSONResponse({"object": "list", "data": [{"id": b.model_id, "object": "model",
-                                                         "created": state.created, "owned_by": "specdec",
-                                                         "meta": meta}]})
+        return {"id": b.model_id, "object": "model", "created": state.created, "owned_by": "specdec", "meta": meta}
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models(request: Request) -> Response:
+        auth(request)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    @app.get("/models/{model:path}")
+    async def model(request: Request, model: str) -> Response:
+        """One model (the openai client's models.retrieve), by any name a request may use for it."""
+        auth(request)
+        card = model_card()
+        if model not in state.mctx.names:
+            raise APIError(404, f"The model '{model[:100]}' does not exist: this server serves '{card['id']}'",
+                           "model", "model_not_found")
+        return JSONResponse(card)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -256,7 +268,7 @@ def model_context(backend: Backend, ctx: int) -> ModelContext:
     vocab = min(tok.vocab_size, backend.target.model.args.vocab_size)
     return ModelContext(model_id=backend.model_id, names=frozenset(backend.names | {backend.model_id}), ctx=ctx,
                         vocab_size=vocab, encode=tok.encode, encode_chat=tok.encode_chat,
-                        spec_kinds=backend.spec_kinds)
+                        spec_kinds=backend.spec_kinds, max_token_chars=max(map(len, tok.vocab_texts())))
 
 
 async def read_body(request: Request) -> dict:
@@ -485,7 +497,8 @@ def _install_error_handlers(app: FastAPI, state: State) -> None:
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {e.detail}"
-        return JSONResponse(error_body(message, kind, None, e.status_code), status_code=e.status_code,
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(e.status_code, str(e.status_code))  # as strings
+        return JSONResponse(error_body(message, kind, None, code), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)

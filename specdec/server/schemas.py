@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..sampling import SamplingParams
-from ..spec.config import SPEC_KINDS
+from ..spec.config import MAX_DRAFT, SPEC_KINDS
 
 # llama-server's sampling defaults (common/common.h), used when a request does not say
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
@@ -27,7 +27,7 @@ MAX_STOP_CHARS = 256  # a stop string this long already holds back that much str
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 1024
 MAX_N = 16  # choices per request (n): each its own sequence in the engine, all admitted together
-SPEC_N_MAX = 16  # per-request speculative.n_max is clamped to [0, SPEC_N_MAX], n_min to [0, n_max]
+SPEC_N_MAX = MAX_DRAFT  # per-request speculative.n_max is clamped to [0, SPEC_N_MAX], n_min to [0, n_max]
 # llama.cpp's --spec-type names, mapped onto specdec's proposers
 SPEC_ALIASES = {"draft-simple": "draft", "draft-mtp": "mtp", "ngram-simple": "ngram", "ngram-map-k": "ngram",
                 "ngram-map-k4v": "ngram", "ngram-mod": "ngram", "ngram-cache": "ngram"}
@@ -101,6 +101,16 @@ class ModelContext:
     encode: Callable[[str], list[int]]  # completion prompts (BOS as the tokenizer adds it)
     encode_chat: Callable[[list[dict]], list[int]]
     spec_kinds: tuple[str, ...] = ("none", "ngram")  # proposers this server can build for a request
+    max_token_chars: int = 0  # the longest token's text: a prompt of c characters has at least c / it tokens
+
+    def refuse_hopeless(self, chars: int, name: str) -> None:
+        """A 400 for a prompt whose characters alone make it longer than the context (each token covers at most
+        max_token_chars of them; twice that, for normalizers that drop characters), before it is tokenized: an
+        8 MB prompt took 7 s to tokenize, while the server answered nothing else (its event loop)."""
+        if self.max_token_chars and chars > 2 * self.ctx * self.max_token_chars:
+            raise bad(f"This model's maximum context length is {self.ctx} tokens. However, your prompt has "
+                      f"{chars} characters, at least {chars // self.max_token_chars} tokens: shorten it (or start "
+                      "the server with a larger -c)", name, "context_length_exceeded")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -187,10 +197,15 @@ def get_float(body: dict, name: str, default: float, lo: float | None = None, hi
 
 def _range(lo, hi, lo_open: bool = False) -> str:
     if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        return f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}]"
     if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo:g}"
-    return f"<= {hi:g}"
+        return f"{'>' if lo_open else '>='} {_num(lo)}"
+    return f"<= {_num(hi)}"
+
+
+def _num(x: float) -> str:
+    """A bound as people write it: integers whole (2147483647, not 2.14748e+09)."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def _check_text(s: str, name: str) -> str:
@@ -210,6 +225,7 @@ def parse_chat(body: dict, m: ModelContext) -> GenRequest:
     _refuse_unsupported(body, chat=True)
     model = _model(body, m)
     messages = _messages(body.get("messages"))
+    m.refuse_hopeless(sum(len(x["content"]) for x in messages), "messages")
     try:
         prompt = m.encode_chat(messages)
     except Exception as e:  # a template's raise_exception (e.g. roles out of order) or a renderer error
@@ -367,6 +383,7 @@ def _prompt(prompt: Any, m: ModelContext) -> list[int]:
                       "unsupported_value")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        m.refuse_hopeless(len(prompt), "prompt")
         return m.encode(_check_text(prompt, "prompt"))
     if isinstance(prompt, list):
         return _token_ids(prompt, "prompt", m.vocab_size)
