@@ -106,7 +106,7 @@ class ModelContext:
     def refuse_hopeless(self, chars: int, name: str) -> None:
         """A 400 for a prompt whose characters alone make it longer than the context (each token covers at most
         max_token_chars of them; twice that, for normalizers that drop characters), before it is tokenized: an
-        8 MB prompt took 7 s to tokenize, while the server answered nothing else (its event loop)."""
+        8 MB prompt took 7 s to tokenize, holding the interpreter's lock, while the server answered nothing else."""
         if self.max_token_chars and chars > 2 * self.ctx * self.max_token_chars:
             raise bad(f"This model's maximum context length is {self.ctx} tokens. However, your prompt has "
                       f"{chars} characters, at least {chars // self.max_token_chars} tokens: shorten it (or start "
