@@ -699,6 +699,43 @@ def test_side_endpoints(server, client, target):
         assert name in text, name
 
 
+def test_serve_in_its_own_process_answers_sampled_requests_of_every_speculation():
+    """`specdec serve` as users start it (a fresh process: torch's meta registrations deferred, as in `generate`),
+    with a draft model: sampled requests drafting from each source answer 200 (drafting with the heads or the draft
+    model was a 500 on every sampled request until generators were made after torch._prims.rng_prims)."""
+    import subprocess
+    import sys
+
+    from specdec.paths import default_model_path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--port", str(port), "-c", "512", "-md",
+                             str(default_model_path()), "--spec", "ngram"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no start"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        for kind in ("none", "ngram", "mtp", "draft", "auto"):
+            r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "Tell me a short story."}], "max_tokens": 12,
+                "temperature": 0.8, "seed": 3, "speculative": {"type": kind, "n_max": 3}})
+            assert r.status_code == 200, (kind, r.text[:300])
+            assert r.json()["choices"][0]["message"]["content"] and r.json()["timings"]["speculative"] == kind
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_serve_flags_fail_in_one_line(capsys):
     from specdec.cli import main
 
