@@ -81,13 +81,22 @@ class LLM:
         from tqdm import tqdm
 
         tok = self.target.tokenizer
+        if isinstance(prompts, str):
+            raise TypeError("prompts is a list of prompts: give [text] for one")
+        for i, p in enumerate(prompts):  # a string, or token ids
+            if not isinstance(p, str) and not (isinstance(p, list) and all(isinstance(t, int) for t in p)):
+                raise TypeError(f"prompts[{i}] must be a string or a list of token ids, not {type(p).__name__}")
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         elif not params:
             params = [SamplingParams()] * len(prompts)
+        elif isinstance(params, str) or not all(isinstance(x, SamplingParams) for x in params):
+            raise TypeError("params must be a SamplingParams, or a list of them (one per prompt)")
         limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
-        if len(params) != len(prompts) or len(limits) != len(prompts):
-            raise ValueError(f"{len(params)} sampling settings / {len(limits)} limits for {len(prompts)} prompts")
+        for name, given in (("params", params), ("max_tokens", limits)):
+            if len(given) != len(prompts):
+                raise ValueError(f"{name} has {len(given)} entries for {len(prompts)} prompts: give one for all, or one "
+                                 "per prompt")
         ids = [p if not isinstance(p, str) else (tok.encode_chat([{"role": "user", "content": p}]) if chat
                                                    else tok.encode(p)) for p in prompts]
         outputs: list[Output | None] = [None] * len(prompts)

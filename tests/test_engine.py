@@ -370,3 +370,19 @@ def test_a_batched_forward_charges_drafts_their_marginal_cost():
     assert sum(shares) == pytest.approx(0.0108)
     # a drafting step measured faster than F(8) (noise): no negative marginal cost, the forward shared by sequence
     assert attribute(0.0072, [2] + [0] * 7, costs) == pytest.approx([0.0009] * 8)
+
+
+def test_llm_generate_refuses_misuse_in_words(target):
+    """specdec.LLM.generate's arguments are checked by type and count, naming the argument: a string of params or a
+    prompt that is a number used to fail as "6 sampling settings / 1 limits for 1 prompts" or "object of type 'int'
+    has no len()"."""
+    llm = LLM.of(target, max_batch=2)
+    cases = [(dict(prompts="hi"), TypeError, "give [text] for one"),
+             (dict(prompts=[5]), TypeError, "prompts[0] must be a string or a list of token ids, not int"),
+             (dict(prompts=["hi"], params="greedy"), TypeError, "params must be a SamplingParams"),
+             (dict(prompts=["a", "b"], params=[SamplingParams()]), ValueError, "params has 1 entries for 2 prompts"),
+             (dict(prompts=["a", "b"], max_tokens=[4]), ValueError, "max_tokens has 1 entries for 2 prompts")]
+    for kwargs, error, words in cases:
+        with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
+            llm.generate(progress=False, **kwargs)
+    assert len(llm.generate([[1, 2, 3]], max_tokens=2, progress=False)[0].tokens) == 2  # token ids still work
