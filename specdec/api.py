@@ -95,8 +95,8 @@ class LLM:
         limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         for name, given in (("params", params), ("max_tokens", limits)):
             if len(given) != len(prompts):
-                raise ValueError(f"{name} has {len(given)} entries for {len(prompts)} prompts: give one for all, or one "
-                                 "per prompt")
+                raise ValueError(f"{name} has {len(given)} entries for {len(prompts)} prompts: give one for all, or "
+                                 "one per prompt")
         ids = [p if not isinstance(p, str) else (tok.encode_chat([{"role": "user", "content": p}]) if chat
                                                    else tok.encode(p)) for p in prompts]
         outputs: list[Output | None] = [None] * len(prompts)
