@@ -484,8 +484,9 @@ def cmd_generate(args) -> int:
     params = sampling_params(args)
     spec_config(args)  # flags are checked before the (slow) load
     kind = args.spec or ("draft" if args.model_draft else "auto")
-    if args.model_draft and kind != "draft":  # (a server keeps its -md for requests that ask for it)
-        raise ValueError(f"-md drafts with --spec draft (the default with -md), not --spec {kind}: drop one of them")
+    if args.model_draft and kind not in ("draft", "auto"):  # (a server keeps its -md for requests that ask for it)
+        raise ValueError(f"-md drafts with --spec draft (the default with -md) or auto, not --spec {kind}: drop one "
+                         "of them")
     if args.tree and kind not in ("mtp", "auto"):
         raise ValueError(f"--tree shapes the MTP heads' drafts (--spec mtp or auto), not --spec {kind}")
     if args.model_draft:
@@ -506,7 +507,8 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--logit-bias token id {outside[0]} is outside the vocabulary (0..{vocab - 1})")
     spec, mtp = spec_config(args, target, params)
     kind = spec.kind
-    draft = load_model(args, "model_draft", target) if kind == "draft" else None
+    # auto takes the draft model as one more source (spec/__init__.py); until 12-07 `--spec auto -md` ignored it
+    draft = load_model(args, "model_draft", target) if args.model_draft and kind in ("draft", "auto") else None
     from .spec import build_proposer
 
     if batch_file:

@@ -110,7 +110,7 @@ def test_prompt_longer_than_context():
     (["roofline", "--png", "/"], ["--png / is a folder"]),
     (["generate", "-p", "hi", "-md", "/nonexistent/draft.gguf"], ["model not found: /nonexistent/draft.gguf"]),
     (["generate", "-p", "hi", "--temp", "inf"], ["--temp must be a finite number"]),
-    (["generate", "-p", "hi", "--spec", "ngram", "-md", "d.gguf"], ["-md drafts with --spec draft", "ngram"]),
+    (["generate", "-p", "hi", "--spec", "mtp", "-md", "d.gguf"], ["-md drafts with --spec draft", "or auto", "mtp"]),
     (["generate", "-p", "hi", "--spec", "ngram", "--tree", "2,2"], ["--tree shapes the MTP heads' drafts"]),
     (["generate", "-p", "hi", "-n", "2", "--device", "mps"], ["--device mps asked"]),
     (["train-mtp", "-o", "h.safetensors", "--lr", "-1"], ["--lr -1.0 is out of range"]),
@@ -165,6 +165,22 @@ def test_outputs_and_draft_files_are_checked_before_any_load(monkeypatch, capsys
     assert len(err) == 3 and all(e.startswith("error: ") for e in err), err
     assert "is a folder" in err[0] and "model not found" in err[1] and "d.gguf" in err[2], err
     assert loaded == []
+
+
+def test_auto_takes_the_draft_model_as_a_source(monkeypatch, capsys, smollm2_path):
+    """`--spec auto -md DRAFT` loads the draft model and hands it to auto as one more source (spec/__init__.py); the
+    command line ignored it until 12-07 (only `--spec draft` loaded it). Greedy text equal to --spec none's."""
+    import specdec.loader as loader
+
+    loaded = []
+    real = loader.load
+    monkeypatch.setattr(loader, "load", lambda model, **kw: loaded.append(model) or real(model, **kw))
+    texts = []
+    for spec in (["--spec", "auto", "-md", str(smollm2_path)], ["--spec", "none"]):
+        assert main(["generate", "-p", "Repeat exactly: the quick brown fox jumps over the lazy dog.", "-n", "16",
+                     "--temp", "0", *spec]) == 0
+        texts.append(capsys.readouterr().out)
+    assert loaded == [None, str(smollm2_path), None] and texts[0] == texts[1]
 
 
 def test_prompt_file_rows_are_checked_by_line(capsys, tmp_path):
