@@ -482,8 +482,7 @@ def cmd_generate(args) -> int:
     from .generate import generate
 
     params = sampling_params(args)
-    spec_config(args)  # flags are checked before the (slow) load
-    kind = args.spec or ("draft" if args.model_draft else "auto")
+    kind = spec_config(args)[0].kind  # flags are checked before the (slow) load
     if args.model_draft and kind not in ("draft", "auto"):  # (a server keeps its -md for requests that ask for it)
         raise ValueError(f"-md drafts with --spec draft (the default with -md) or auto, not --spec {kind}: drop one "
                          "of them")
