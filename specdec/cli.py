@@ -85,7 +85,7 @@ def _speculative(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-min", type=int, default=0, help="drafts shorter than this are not verified (default 0)")
     p.add_argument("--draft-p-min", type=float, default=0.8, help="stop drafting when the draft model's top "
                                                                    "probability falls below P (default 0.8)")
-    p.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram to look up (default 2)")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram to look up (default 1)")
     p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram to look up (default 4)")
 
 

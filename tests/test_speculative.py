@@ -201,3 +201,19 @@ def test_ngram_proposer_lookup():
     assert p.draft_class() == 3  # the suffix "5 6 5" was seen before (n capped at ngram_max = 3)
     p.begin([1, 2, 3, 4, 5])
     assert p.draft_class() == 0 and p.propose(2).tokens == []
+
+
+def test_ngram_lookup_starts_from_one_token_by_default():
+    """The default lookup (SpecConfig, the CLI's --ngram-min) drafts from a single-token match, as a class of its
+    own; --ngram-min 2 does not (docs/results/ngram-min-1208.txt)."""
+    from specdec.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "-p", "hi", "--spec", "ngram"])
+    assert SpecConfig().ngram_min == args.ngram_min == 1
+    context = [7, 8, 9, 3, 7]  # "3 7" never seen, "7" was followed by 8 9 3 7
+    p = build_proposer(SpecConfig(kind="ngram"), None, GREEDY)
+    p.begin(context)
+    assert p.propose(3).tokens == [8, 9, 3] and p.draft_class() == 1
+    two = build_proposer(SpecConfig(kind="ngram", ngram_min=2), None, GREEDY)
+    two.begin(context)
+    assert two.propose(3).tokens == [] and two.draft_class() == 0

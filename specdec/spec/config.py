@@ -12,7 +12,7 @@ SPEC_KINDS = ("none", "auto", "draft", "ngram", "suffix", "mtp")
 @dataclass(frozen=True)
 class SpecConfig:
     """kind: auto (each step the best of suffix lookup, MTP heads and a draft model, spec/auto.py), none, draft (a
-    draft model, -md), ngram (prompt lookup of the last 2-4 tokens), suffix (the longest earlier match, spec/suffix.py),
+    draft model, -md), ngram (prompt lookup of the last 1-4 tokens), suffix (the longest earlier match, spec/suffix.py),
     mtp (MTP modules or heads);
     draft_max: "auto" (choose each step's K from measured acceptance and costs) or a fixed K; draft_min: drafts
     shorter than this are not verified; draft_p_min: a draft model stops when its top probability falls below
@@ -23,7 +23,7 @@ class SpecConfig:
     draft_max: str = "auto"
     draft_min: int = 0
     draft_p_min: float = 0.8
-    ngram_min: int = 2
+    ngram_min: int = 1
     ngram_max: int = 4
     tree: tuple[int, ...] | None = None
     heads: str | None = None

@@ -1,6 +1,6 @@
 """Suffix-automaton drafting: the longest earlier match of the text's end, in O(1) amortized per token.
 
-The n-gram proposer (spec/ngram.py) looks up the last 2-4 tokens. A suffix automaton (Blumer et al. 1985, "The
+The n-gram proposer (spec/ngram.py) looks up the last 1-4 tokens. A suffix automaton (Blumer et al. 1985, "The
 smallest automaton recognizing the subwords of a text") over the prompt and everything generated finds the LONGEST
 suffix of the text that occurred before, however long, and where; the tokens that followed that occurrence are the
 draft (SAM-Decoding, Hu et al., ACL 2025; SuffixDecoding, Oliaro et al. 2024, uses suffix trees for the same).
