@@ -63,7 +63,7 @@ def verify_curve(model, ctx: int) -> list[float]:
 def replay(prompt: list[int], out: list[int], seed: int | None) -> list[tuple]:
     """Per output position j >= 1: (draft class, candidate, accepted length, the candidate positions' u)."""
     draws = Draws(seed) if seed is not None else None
-    prop = NgramProposer(2, 4)
+    prop = NgramProposer()  # the shipped n-gram sizes (1..4 since 12-08; 2..4 before)
     prop.begin(prompt + out[:1])
     rows = []
     for j in range(1, len(out)):
@@ -100,7 +100,7 @@ matched = common_prefix  # how many tokens of a candidate the text continues wit
 
 
 def lookup_trees(prompt: list[int], out: list[int]) -> dict[str, float]:
-    """Sums over positions with an n-gram match: accepted length of the latest occurrence's continuation (the
+    """Sums over positions with a 2..4-token n-gram match: accepted length of the latest occurrence's continuation (the
     proposer's chain), of the better of the two most recent distinct continuations, of the best of all."""
     seq = prompt + out[:1]
     occ: dict[tuple, list[int]] = defaultdict(list)
