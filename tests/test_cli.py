@@ -112,6 +112,7 @@ def test_prompt_longer_than_context():
     (["generate", "-p", "hi", "--temp", "inf"], ["--temp must be a finite number"]),
     (["generate", "-p", "hi", "--spec", "mtp", "-md", "d.gguf"], ["-md drafts with --spec draft", "or auto", "mtp"]),
     (["generate", "-p", "hi", "--spec", "ngram", "--tree", "2,2"], ["--tree shapes the MTP heads' drafts"]),
+    (["generate", "-p", "hi", "--spec", "ngram", "--ngram-min", "5"], ["--ngram-min 5 / --ngram-max 4: n-gram sizes"]),
     (["generate", "-p", "hi", "-n", "2", "--device", "mps"], ["--device mps asked"]),
     (["train-mtp", "-o", "h.safetensors", "--lr", "-1"], ["--lr -1.0 is out of range"]),
     (["train-mtp", "-o", "h.safetensors", "--lr", "nan"], ["--lr nan is out of range"]),

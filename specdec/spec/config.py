@@ -35,7 +35,8 @@ class SpecConfig:
             raise ValueError("--draft-min must be >= 0")
         draft_length(self.draft_max, 0)
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError("n-gram sizes need 1 <= --ngram-min <= --ngram-max")
+            raise ValueError(f"--ngram-min {self.ngram_min} / --ngram-max {self.ngram_max}: n-gram sizes need "
+                             "1 <= --ngram-min <= --ngram-max")
         if self.tree is not None and (not self.tree or min(self.tree) < 1):
             raise ValueError("--tree branching factors must be >= 1")
 

@@ -25,7 +25,8 @@ class NgramProposer:
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
         if not 1 <= ngram_min <= ngram_max:
-            raise ValueError("n-gram sizes need 1 <= --ngram-min <= --ngram-max")
+            raise ValueError(f"--ngram-min {ngram_min} / --ngram-max {ngram_max}: n-gram sizes need "
+                             "1 <= --ngram-min <= --ngram-max")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> start of what followed its latest occurrence
