@@ -205,7 +205,7 @@ def test_ngram_proposer_lookup():
 
 def test_ngram_lookup_starts_from_one_token_by_default():
     """The default lookup (SpecConfig, the CLI's --ngram-min) drafts from a single-token match, as a class of its
-    own; --ngram-min 2 does not (docs/results/ngram-min-1208.txt)."""
+    own and at most NgramProposer.single_max tokens long; --ngram-min 2 does not (docs/results/ngram-min-1208.txt)."""
     from specdec.cli import build_parser
 
     args = build_parser().parse_args(["generate", "-p", "hi", "--spec", "ngram"])
@@ -213,7 +213,7 @@ def test_ngram_lookup_starts_from_one_token_by_default():
     context = [7, 8, 9, 3, 7]  # "3 7" never seen, "7" was followed by 8 9 3 7
     p = build_proposer(SpecConfig(kind="ngram"), None, GREEDY)
     p.begin(context)
-    assert p.propose(3).tokens == [8, 9, 3] and p.draft_class() == 1
+    assert p.propose(3).tokens == [8, 9] and p.draft_class() == 1  # at most single_max = 2 tokens from one
     two = build_proposer(SpecConfig(kind="ngram", ngram_min=2), None, GREEDY)
     two.begin(context)
     assert two.propose(3).tokens == [] and two.draft_class() == 0
