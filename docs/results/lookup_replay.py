@@ -12,7 +12,9 @@ by
 - the shipped draft-length policy (spec/autok.py, per-class acceptance, fresh per text) replayed on the candidates;
   both under a verify curve v(T) / v(1) given with --curve (default: the flattest recorded, 12-07 ninth) and under
   the one measured in this run at the category's mean context + 128.
-Retrievals: the n-gram table with minimum 2 (the default before 12-08) and 1 (since), 1..3 and 1..6; the suffix
+Retrievals: the n-gram table with minimum 2 (the default before 12-08) and 1 (since), 1..3 and 1..6 (a
+single-token match drafting as many tokens as NgramProposer.single_max allows: 2 since 12-08, 8 when
+lookup-replay-1208.txt was made); the suffix
 automaton (longest match); n-gram 1..4 with an alignment pointer that keeps copying past a substituted token where no
 n-gram matched; for single-token matches the continuation whose next token follows that token most often.
 The ceiling row ("any copy") takes for m_j the longest prefix of the text to come that occurs anywhere earlier

@@ -8,7 +8,7 @@ continuation is kept in a dict, updated in O(ngram_max) per new token.
 The shortest n-gram is one token by default (llama.cpp's lookup decoding looks up from 1 token too): where no
 longer suffix matched, the last token's latest continuation still holds the text's next tokens often enough to pay,
 and the draft-length policy keeps single-token matches in a class of their own (draft_class), so where they do not
-pay they are not drafted. Minimum 1 against 2 on Spec-Bench, same prompts side by side
+pay they are not drafted. Minimum 1 against 2 on Spec-Bench, same prompts side by side, before single_max below
 (docs/results/ngram-min-1208.txt): replays of the plain texts under the shipped policy -0.5% to +5.6% by category
 and temperature; real greedy runs on 20 prompts a category, n-gram +0.4% to +4.3% in five categories and -3.5% on
 translation, `--spec auto` +1.7% to +4.9% in five and -2.0% on mt_bench.
