@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from specdec.bench.prompts import load_prompts  # noqa: E402
 from specdec.bench.roofline import forward_costs  # noqa: E402
+from specdec.bench.run import chat_prompt_ids  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.loader import load  # noqa: E402
 from specdec.models.transformer import Transformer  # noqa: E402
@@ -41,7 +42,7 @@ def main() -> int:
     t = load(None)
     tok = t.tokenizer
     bench = Path(__file__).resolve().parents[3] / "shared/data/spec_bench/question.jsonl"
-    ps = [tok.encode_chat([{"role": "user", "content": p.text}]) for p in load_prompts(bench, cat, n)]
+    ps = [chat_prompt_ids(tok, p, chat=True) for p in load_prompts(bench, cat, n)]
     runs: dict[tuple[str, float], list] = {(m, temp): [] for temp in temps for m in ("plain", "ngram")}
     Transformer.__call__ = wrapped
     try:

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from specdec.bench.prompts import load_prompts  # noqa: E402
+from specdec.bench.run import chat_prompt_ids  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.loader import load  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
@@ -67,7 +68,7 @@ def main() -> int:
         prompts = load_prompts(bench, cat, a.prompts)
         for i, p in enumerate(prompts):
             print(f"\r{cat}: prompt {i + 1}/{len(prompts)}", end="", file=sys.stderr, flush=True)
-            ids = tok.encode_chat([{"role": "user", "content": p.text}])
+            ids = chat_prompt_ids(tok, p, chat=True)
             with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
                 f.write(tok.decode(ids))
             try:

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ngram_sampling import simulate, verify_curve  # noqa: E402
 
 from specdec.bench.prompts import load_prompts  # noqa: E402
+from specdec.bench.run import chat_prompt_ids  # noqa: E402
 from specdec.cache import common_prefix  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.loader import load  # noqa: E402
@@ -184,7 +185,7 @@ def main() -> int:
     tok = t.tokenizer
     bench = Path(__file__).resolve().parents[3] / "shared/data/spec_bench/question.jsonl"
     cats = a.categories.split(",")
-    prompts = {c: [tok.encode_chat([{"role": "user", "content": p.text}]) for p in load_prompts(bench, c, a.prompts)]
+    prompts = {c: [chat_prompt_ids(tok, p, chat=True) for p in load_prompts(bench, c, a.prompts)]
                for c in cats}
     curves = {c: {"given": [0.0] + [float(x) for x in a.curve.split(",")],
                   "measured": verify_curve(t.model, int(statistics.mean(len(p) for p in ps)) + 128)}

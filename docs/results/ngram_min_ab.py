@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from specdec.bench.prompts import load_prompts  # noqa: E402
+from specdec.bench.run import chat_prompt_ids  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.loader import load  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
@@ -55,7 +56,7 @@ def main() -> int:
                                                                                      "auto8", "auto2")
     runs: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # "cat|temp|mode" -> [decode s, tokens]
     for cat in a.categories.split(","):
-        ps = [tok.encode_chat([{"role": "user", "content": p.text}]) for p in load_prompts(bench, cat, a.prompts)]
+        ps = [chat_prompt_ids(tok, p, chat=True) for p in load_prompts(bench, cat, a.prompts)]
         for temp in (float(x) for x in a.temperatures.split(",")):
             for i, x in enumerate(ps):
                 params = SamplingParams(temp, 40, 0.95, 0.05, seed=i + 1) if temp else SamplingParams()
